@@ -1,0 +1,70 @@
+"""Alignment arithmetic and page-aligned host memory.
+
+O_DIRECT needs the buffer address, the file offset and the length to be multiples of the
+device's logical block size; 4096 bytes covers every device we target. ``torch.empty`` only
+guarantees 64-byte alignment, so aligned memory comes from an anonymous ``mmap``.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+ALIGN = 4096  # bytes
+
+
+def round_up(nbytes: int, align: int = ALIGN) -> int:
+    """Smallest multiple of ``align`` that is >= ``nbytes`` (bytes)."""
+    return -(-nbytes // align) * align
+
+
+def is_aligned(value: int, align: int = ALIGN) -> bool:
+    return value % align == 0
+
+
+def aligned_host_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """Allocate ``nbytes`` (rounded up to a page) of page-aligned host memory.
+
+    Returns the mmap (keep it alive as long as the tensor) and a uint8 tensor over it.
+    Pages are committed lazily by the kernel on first touch.
+    """
+    size = max(round_up(nbytes), ALIGN)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(region, dtype=torch.uint8)
+    assert tensor.data_ptr() % ALIGN == 0  # mmap returns page-aligned memory by definition
+    return region, tensor
+
+
+def as_byte_view(buffer) -> memoryview:
+    """A writable, flat, byte-typed memoryview over ``buffer`` without copying.
+
+    Accepts a contiguous CPU torch tensor (any dtype, bfloat16 included), a numpy array,
+    bytearray, mmap or memoryview.
+    """
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise ValueError(f"file I/O needs a CPU tensor, got one on {buffer.device}")
+        if not buffer.is_contiguous():
+            raise ValueError("file I/O needs a contiguous tensor")
+        flat = buffer.reshape(-1)
+        if flat.numel() == 0:
+            return memoryview(bytearray(0))
+        return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("file I/O needs a contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def address_of(view: memoryview) -> int:
+    """Start address of a memoryview's memory (for alignment checks)."""
+    import ctypes
+
+    if len(view) == 0:
+        return 0
+    if view.readonly:
+        # ctypes.from_buffer needs a writable buffer; a read-only view is written from
+        # only, and a buffered write has no alignment need, so report "unaligned".
+        return 1
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))

@@ -1,0 +1,240 @@
+"""One pinned, page-aligned host arena with a fixed byte budget, carved into buffers on demand.
+
+The arena is allocated once (anonymous mmap, then ``torch.frombuffer``) and, when CUDA is
+present, registered with ``cudaHostRegister`` so host<->device copies from it are true async
+DMA. Requests are served first-fit from a free list of page-aligned extents and coalesced on
+release; no memory is allocated per request. When the budget is in use, ``acquire`` waits
+(bounded by a timeout) for releases; a request larger than the whole budget fails at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+
+import torch
+
+from .align import ALIGN, aligned_host_buffer, round_up
+from .errors import PoolExhaustedError, RequestTooLargeError
+
+log = logging.getLogger(__name__)
+
+
+class PooledBuffer:
+    """A page-aligned slice of the pool's arena, valid until ``release()``.
+
+    ``nbytes`` is what was asked for; ``capacity`` (a multiple of 4096) is what is held.
+    """
+
+    __slots__ = ("pool", "offset", "nbytes", "capacity", "_released")
+
+    def __init__(self, pool: "BufferPool", offset: int, nbytes: int, capacity: int):
+        self.pool = pool
+        self.offset = offset
+        self.nbytes = nbytes
+        self.capacity = capacity
+        self._released = False
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """uint8 tensor of ``nbytes`` elements over the buffer (no copy)."""
+        self._check()
+        return self.pool._arena[self.offset:self.offset + self.nbytes]
+
+    def view(self, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+        """The buffer as a 1-D tensor of ``dtype`` with ``numel`` elements (default: all that fit)."""
+        self._check()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if numel is None:
+            numel = self.nbytes // itemsize
+        if numel * itemsize > self.capacity:
+            raise ValueError(f"{numel} elements of {dtype} need {numel * itemsize} bytes; "
+                             f"buffer holds {self.capacity}")
+        raw = self.pool._arena[self.offset:self.offset + numel * itemsize]
+        return raw.view(dtype)
+
+    def memoryview(self, nbytes: int | None = None) -> memoryview:
+        """Writable byte memoryview over the first ``nbytes`` (default ``nbytes``) of the buffer."""
+        self._check()
+        n = self.nbytes if nbytes is None else nbytes
+        if n > self.capacity:
+            raise ValueError(f"{n} bytes exceed the buffer's {self.capacity}")
+        return self.pool._view[self.offset:self.offset + n]
+
+    def data_ptr(self) -> int:
+        return self.pool._arena.data_ptr() + self.offset
+
+    def release(self) -> None:
+        """Give the bytes back to the pool; a second call is an error."""
+        self.pool.release(self)
+
+    def _check(self) -> None:
+        if self._released:
+            raise RuntimeError("use of a pooled buffer after release")
+
+    def __enter__(self) -> "PooledBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        return f"PooledBuffer(offset={self.offset}, nbytes={self.nbytes})"
+
+
+class BufferPool:
+    """A fixed budget of page-aligned (and, with CUDA, pinned) host memory.
+
+    Args:
+        budget_bytes: total bytes of the arena, rounded up to 4096.
+        pin: register the arena with CUDA; default: when ``torch.cuda.is_available()``.
+    """
+
+    def __init__(self, budget_bytes: int, *, pin: bool | None = None):
+        if budget_bytes <= 0:
+            raise ValueError(f"buffer pool budget must be positive, got {budget_bytes} bytes")
+        self.capacity = round_up(budget_bytes)
+        self._mmap, self._arena = aligned_host_buffer(self.capacity)
+        self._view = memoryview(self._mmap)
+        self.pinned = False
+        want_pin = torch.cuda.is_available() if pin is None else pin
+        if want_pin:
+            self._pin()
+        # free extents as two parallel sorted lists (offsets, sizes) for first-fit + coalescing
+        self._free_offsets: list[int] = [0]
+        self._free_sizes: list[int] = [self.capacity]
+        self._cond = threading.Condition()
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.live_buffers = 0
+        self._closed = False
+
+    # -- pinning (CUDA only) -------------------------------------------------------------
+    def _pin(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("pin=True asks for CUDA-pinned memory, but CUDA is not available")
+        rc = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self.capacity, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.capacity} bytes failed with code {int(rc)}")
+        self.pinned = True
+
+    def _unpin(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            self.pinned = False
+
+    # -- allocation ---------------------------------------------------------------------
+    def try_acquire(self, nbytes: int) -> PooledBuffer | None:
+        """A buffer of ``nbytes`` if it fits now, else None. Never waits."""
+        need = self._need(nbytes)
+        with self._cond:
+            return self._take(nbytes, need)
+
+    def acquire(self, nbytes: int, timeout: float | None = 30.0) -> PooledBuffer:
+        """A buffer of ``nbytes`` bytes, waiting up to ``timeout`` seconds for space.
+
+        Raises RequestTooLargeError at once if ``nbytes`` exceeds the whole budget, and
+        PoolExhaustedError when the wait times out.
+        """
+        need = self._need(nbytes)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                buf = self._take(nbytes, need)
+                if buf is not None:
+                    return buf
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise PoolExhaustedError(
+                        f"buffer pool exhausted: waited {timeout:.1f} s for {need} bytes; "
+                        f"{self.in_use} of {self.capacity} bytes are held by "
+                        f"{self.live_buffers} unreleased buffers (largest free extent "
+                        f"{max(self._free_sizes, default=0)} bytes). Release buffers sooner "
+                        f"or raise the pinned budget.")
+                self._cond.wait(remaining)
+
+    def _need(self, nbytes: int) -> int:
+        if nbytes < 0:
+            raise ValueError(f"negative request: {nbytes} bytes")
+        need = max(round_up(nbytes), ALIGN)
+        if need > self.capacity:
+            raise RequestTooLargeError(
+                f"request of {nbytes} bytes can never fit in the buffer pool's budget of "
+                f"{self.capacity} bytes")
+        if self._closed:
+            raise RuntimeError("buffer pool is closed")
+        return need
+
+    def _take(self, nbytes: int, need: int) -> PooledBuffer | None:
+        for i, size in enumerate(self._free_sizes):
+            if size >= need:
+                offset = self._free_offsets[i]
+                if size == need:
+                    del self._free_offsets[i]
+                    del self._free_sizes[i]
+                else:
+                    self._free_offsets[i] = offset + need
+                    self._free_sizes[i] = size - need
+                self.in_use += need
+                self.live_buffers += 1
+                self.peak_in_use = max(self.peak_in_use, self.in_use)
+                return PooledBuffer(self, offset, nbytes, need)
+        return None
+
+    def release(self, buf: PooledBuffer) -> None:
+        """Return ``buf``'s extent to the free list, merging with its neighbours."""
+        if buf.pool is not self:
+            raise ValueError("buffer belongs to another pool")
+        with self._cond:
+            if buf._released:
+                raise RuntimeError(f"{buf!r} released twice")
+            buf._released = True
+            offset, size = buf.offset, buf.capacity
+            i = bisect.bisect_left(self._free_offsets, offset)
+            # merge with the following extent
+            if i < len(self._free_offsets) and self._free_offsets[i] == offset + size:
+                size += self._free_sizes[i]
+                del self._free_offsets[i]
+                del self._free_sizes[i]
+            # merge with the preceding extent
+            if i > 0 and self._free_offsets[i - 1] + self._free_sizes[i - 1] == offset:
+                self._free_sizes[i - 1] += size
+            else:
+                self._free_offsets.insert(i, offset)
+                self._free_sizes.insert(i, size)
+            self.in_use -= buf.capacity
+            self.live_buffers -= 1
+            self._cond.notify_all()
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.in_use
+
+    def reset_peak(self) -> None:
+        with self._cond:
+            self.peak_in_use = self.in_use
+
+    def close(self) -> None:
+        """Unpin and unmap the arena. Buffers still held become invalid."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._unpin()
+        self._view.release()
+        del self._arena
+        try:
+            self._mmap.close()
+        except BufferError:
+            # a tensor view is still referenced somewhere; the OS unmaps at process exit
+            log.debug("buffer pool arena still referenced at close; left mapped")
+
+    def __enter__(self) -> "BufferPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

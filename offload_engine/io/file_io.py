@@ -1,0 +1,501 @@
+"""Asynchronous file I/O: a pool of threads issuing ``os.preadv`` / ``os.pwritev``.
+
+Both calls release the GIL, so N threads keep N requests in flight at the device. A request
+is cut into ``block_size`` pieces; pieces run on ``threads`` worker threads with at most
+``queue_depth`` in flight. Each request returns one ``IOFuture``: ``.result()`` from a
+thread, ``await`` from asyncio. Every piece loops until all of its bytes moved (Linux moves
+at most 2,147,479,552 bytes per call); a read that meets end of file first is an error that
+names the file.
+
+O_DIRECT is used where the file system accepts it and the piece is aligned (address, offset
+and length multiples of 4096); the first refusal (EINVAL) in a directory switches that
+directory to buffered I/O, logged once, with ``posix_fadvise`` keeping the page cache from
+filling with state that is read once per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import errno
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+from .align import ALIGN, address_of, as_byte_view, is_aligned
+from .errors import FileIOError, TruncatedFileError
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# Linux moves at most this many bytes in one read/write call (MAX_RW_COUNT).
+_LINUX_MAX_RW = 0x7FFFF000
+
+
+class IOFuture(concurrent.futures.Future):
+    """A ``concurrent.futures.Future`` that can also be awaited from asyncio.
+
+    Its result is the number of bytes moved.
+    """
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
+
+    @classmethod
+    def gather(cls, futures: list[concurrent.futures.Future]) -> "IOFuture":
+        """One future for many: completes when all do; result is the summed byte count;
+        the first error (in list order) is raised."""
+        out = cls()
+        out.set_running_or_notify_cancel()
+        if not futures:
+            out.set_result(0)
+            return out
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_):
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            for f in futures:
+                if f.exception() is not None:
+                    out.set_exception(f.exception())
+                    return
+            out.set_result(sum(f.result() for f in futures))
+
+        for f in futures:
+            f.add_done_callback(done)
+        return out
+
+    @classmethod
+    def completed(cls, nbytes: int = 0) -> "IOFuture":
+        """A future already done with result ``nbytes``."""
+        out = cls()
+        out.set_running_or_notify_cancel()
+        out.set_result(nbytes)
+        return out
+
+
+@dataclass
+class IOStats:
+    """Counters since creation or the last ``reset`` (bytes and request counts)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    direct_pieces: int = 0
+    buffered_pieces: int = 0
+    syncs: int = 0
+
+
+@dataclass
+class _Request:
+    op: str  # "read" | "write"
+    path: str
+    offset: int
+    view: memoryview
+    future: IOFuture
+    sync: bool
+    pending: int = 0
+    error: BaseException | None = None
+    keepalive: object = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _OpenFile:
+    __slots__ = ("path", "writable", "direct_fd", "buffered_fd", "users")
+
+    def __init__(self, path: str, writable: bool):
+        self.path = path
+        self.writable = writable
+        self.direct_fd: int | None = None
+        self.buffered_fd: int | None = None
+        self.users = 0
+
+
+class AsyncFileIO:
+    """Thread-pool file I/O on cached file descriptors.
+
+    Args:
+        threads: worker threads issuing system calls.
+        queue_depth: most pieces in flight at once (the device sees min(threads, queue_depth)).
+        block_size: bytes per piece; a multiple of 4096.
+        direct: True forces O_DIRECT (errors where refused), False never uses it,
+            None (default) uses it where the file system accepts it.
+        max_open_files: descriptors kept open; the least recently used idle one is closed.
+    """
+
+    def __init__(self, threads: int = 8, queue_depth: int = 8, block_size: int = 8 * MiB,
+                 direct: bool | None = None, max_open_files: int = 256):
+        if threads < 1 or queue_depth < 1:
+            raise ValueError("threads and queue_depth must be >= 1")
+        if block_size <= 0 or block_size % ALIGN:
+            raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size}")
+        self.threads = threads
+        self.queue_depth = queue_depth
+        self.block_size = min(block_size, _LINUX_MAX_RW // ALIGN * ALIGN)
+        self.direct = direct
+        self.max_open_files = max_open_files
+        self.stats = IOStats()
+        self._stats_lock = threading.Lock()
+        self._files: collections.OrderedDict[str, _OpenFile] = collections.OrderedDict()
+        self._files_lock = threading.Lock()
+        self._direct_ok: dict[str, bool] = {}  # per directory
+        self._inflight = threading.BoundedSemaphore(queue_depth)
+        self._queue: collections.deque = collections.deque()
+        self._queue_cv = threading.Condition()
+        self._closed = False
+        self._workers = [threading.Thread(target=self._work, name=f"oe-io-{i}", daemon=True)
+                         for i in range(threads)]
+        for w in self._workers:
+            w.start()
+
+    # -- public API ---------------------------------------------------------------------
+    def read(self, path: str | os.PathLike, offset: int, buffer, length: int | None = None) -> IOFuture:
+        """Read ``length`` bytes (default: the buffer's size) at byte ``offset`` of ``path``
+        into ``buffer`` (a CPU tensor, numpy array, bytearray, mmap, memoryview or
+        PooledBuffer). The future's result is the byte count."""
+        return self._submit("read", path, offset, buffer, length, sync=False)
+
+    def write(self, path: str | os.PathLike, offset: int, buffer, length: int | None = None,
+              sync: bool = False) -> IOFuture:
+        """Write ``length`` bytes (default: all) of ``buffer`` at byte ``offset`` of ``path``,
+        creating the file if needed; with ``sync`` the future completes after fdatasync."""
+        return self._submit("write", path, offset, buffer, length, sync=sync)
+
+    def sync(self, path: str | os.PathLike) -> IOFuture:
+        """fdatasync ``path`` on a worker thread."""
+        path = os.fspath(path)
+        fut = IOFuture()
+        fut.set_running_or_notify_cancel()
+        self._enqueue(("sync", path, fut))
+        return fut
+
+    def preallocate(self, path: str | os.PathLike, nbytes: int) -> None:
+        """Create ``path`` if needed and reserve ``nbytes`` bytes for it (posix_fallocate).
+
+        Unwritten extents read as zeros. A full disk raises FileIOError(ENOSPC) naming the
+        file; where the file system has no fallocate, the file is extended with ftruncate.
+        """
+        path = os.fspath(path)
+        entry = self._acquire_file(path, writable=True)
+        try:
+            fd = self._fd(entry, direct=False)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL) and nbytes > 0:
+                    try:
+                        if os.fstat(fd).st_size < nbytes:
+                            os.ftruncate(fd, nbytes)
+                    except OSError as e2:
+                        raise FileIOError(e2.errno, "preallocate", path, 0, nbytes) from e2
+                else:
+                    raise FileIOError(e.errno, "preallocate", path, 0, nbytes) from e
+        finally:
+            self._release_file(entry)
+
+    def forget(self, path: str | os.PathLike) -> None:
+        """Close cached descriptors of ``path`` (before it is renamed or removed)."""
+        path = os.fspath(path)
+        with self._files_lock:
+            entry = self._files.pop(path, None)
+        if entry is not None:
+            self._close_entry(entry)
+
+    def uses_direct(self, path: str | os.PathLike) -> bool | None:
+        """Whether O_DIRECT is used in ``path``'s directory (None: not yet probed)."""
+        if self.direct is False:
+            return False
+        return self._direct_ok.get(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+    def reset_stats(self) -> IOStats:
+        """Return the counters so far and start new ones."""
+        old, self.stats = self.stats, IOStats()
+        return old
+
+    def close(self) -> None:
+        """Finish queued work, stop the threads and close every descriptor."""
+        if self._closed:
+            return
+        with self._queue_cv:
+            self._closed = True
+            self._queue_cv.notify_all()
+        for w in self._workers:
+            w.join()
+        with self._files_lock:
+            entries = list(self._files.values())
+            self._files.clear()
+        for entry in entries:
+            self._close_entry(entry)
+
+    def __enter__(self) -> "AsyncFileIO":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def open_files(self) -> int:
+        return len(self._files)
+
+    # -- request splitting ---------------------------------------------------------------
+    def _submit(self, op: str, path, offset: int, buffer, length: int | None, sync: bool) -> IOFuture:
+        if self._closed:
+            raise RuntimeError("AsyncFileIO is closed")
+        path = os.fspath(path)
+        if offset < 0:
+            raise ValueError(f"negative offset {offset} for {path}")
+        keepalive = buffer
+        if hasattr(buffer, "memoryview") and hasattr(buffer, "pool"):  # PooledBuffer
+            view = buffer.memoryview()
+        else:
+            view = as_byte_view(buffer)
+        if length is not None:
+            if length > len(view):
+                raise ValueError(f"{op} of {length} bytes into a buffer of {len(view)} bytes ({path})")
+            view = view[:length]
+        if op == "read" and view.readonly:
+            raise ValueError(f"read from {path} into a read-only buffer")
+        fut = IOFuture()
+        fut.set_running_or_notify_cancel()
+        nbytes = len(view)
+        req = _Request(op, path, offset, view, fut, sync, keepalive=keepalive)
+        if nbytes == 0 and not sync:
+            fut.set_result(0)
+            return fut
+        starts = list(range(0, nbytes, self.block_size)) or [0]
+        req.pending = len(starts)
+        with self._stats_lock:
+            if op == "read":
+                self.stats.reads += 1
+            else:
+                self.stats.writes += 1
+        for start in starts:
+            self._enqueue(("piece", req, start, min(self.block_size, nbytes - start)))
+        return fut
+
+    def _enqueue(self, item) -> None:
+        with self._queue_cv:
+            self._queue.append(item)
+            self._queue_cv.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._queue_cv:
+                while not self._queue and not self._closed:
+                    self._queue_cv.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+            with self._inflight:
+                if item[0] == "sync":
+                    self._do_sync(item[1], item[2])
+                else:
+                    self._do_piece(*item[1:])
+
+    def _do_sync(self, path: str, fut: IOFuture) -> None:
+        entry = None
+        try:
+            entry = self._acquire_file(path, writable=False)
+            fd = self._fd(entry, direct=False)
+            os.fdatasync(fd)
+            with self._stats_lock:
+                self.stats.syncs += 1
+            fut.set_result(0)
+        except FileIOError as e:
+            fut.set_exception(e)
+        except OSError as e:
+            fut.set_exception(FileIOError(e.errno, "fdatasync", path))
+        finally:
+            if entry is not None:
+                self._release_file(entry)
+
+    def _do_piece(self, req: _Request, start: int, length: int) -> None:
+        try:
+            if req.error is None and length:
+                self._transfer(req, start, length)
+        except BaseException as e:  # recorded on the request; the future carries it
+            with req.lock:
+                if req.error is None:
+                    req.error = e
+        with req.lock:
+            req.pending -= 1
+            last = req.pending == 0
+        if not last:
+            return
+        if req.error is None and req.sync:
+            try:
+                self._sync_path(req)
+            except BaseException as e:
+                req.error = e
+        req.keepalive = None
+        if req.error is not None:
+            req.future.set_exception(req.error)
+        else:
+            req.future.set_result(len(req.view))
+
+    def _sync_path(self, req: _Request) -> None:
+        entry = self._acquire_file(req.path, writable=True)
+        try:
+            os.fdatasync(self._fd(entry, direct=False))
+            with self._stats_lock:
+                self.stats.syncs += 1
+        except OSError as e:
+            raise FileIOError(e.errno, "fdatasync", req.path) from e
+        finally:
+            self._release_file(entry)
+
+    def _transfer(self, req: _Request, start: int, length: int) -> None:
+        piece = req.view[start:start + length]
+        offset = req.offset + start
+        writable = req.op == "write"
+        entry = self._acquire_file(req.path, writable=writable)
+        try:
+            aligned = (is_aligned(offset) and is_aligned(length)
+                       and is_aligned(address_of(piece)))
+            use_direct = aligned and self._direct_allowed(req.path)
+            if use_direct:
+                try:
+                    self._loop(req, entry, piece, offset, direct=True)
+                    with self._stats_lock:
+                        self.stats.direct_pieces += 1
+                    return
+                except _DirectRefused:
+                    self._mark_no_direct(req.path, "I/O")
+            self._loop(req, entry, piece, offset, direct=False)
+            with self._stats_lock:
+                self.stats.buffered_pieces += 1
+            if not writable and self.uses_direct(req.path) is False:
+                # buffered fallback: drop what we just read from the page cache
+                try:
+                    os.posix_fadvise(self._fd(entry, False), offset, length, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    pass
+        finally:
+            self._release_file(entry)
+
+    def _loop(self, req: _Request, entry: _OpenFile, piece: memoryview, offset: int, direct: bool) -> None:
+        """Move every byte of ``piece``; short transfers continue where they stopped."""
+        fd = self._fd(entry, direct)
+        done, total = 0, len(piece)
+        while done < total:
+            chunk = piece[done:done + _LINUX_MAX_RW]
+            try:
+                if req.op == "read":
+                    n = os.preadv(fd, [chunk], offset + done)
+                else:
+                    n = os.pwritev(fd, [chunk], offset + done)
+            except OSError as e:
+                if direct and done == 0 and e.errno == errno.EINVAL:
+                    raise _DirectRefused() from e
+                raise FileIOError(e.errno, req.op, req.path, offset + done, total - done) from e
+            if n == 0:
+                if req.op == "read":
+                    size = os.fstat(fd).st_size
+                    raise TruncatedFileError(
+                        errno.ENODATA, "read", req.path, offset + done, total - done,
+                        detail=f"file ends at byte {size}, before the requested range "
+                               f"[{req.offset}, {req.offset + len(req.view)}) (truncated file?)")
+                raise FileIOError(errno.EIO, "write", req.path, offset + done, total - done,
+                                  detail="write moved no bytes")
+            done += n
+        with self._stats_lock:
+            if req.op == "read":
+                self.stats.bytes_read += total
+            else:
+                self.stats.bytes_written += total
+
+    # -- descriptors ---------------------------------------------------------------------
+    def _direct_allowed(self, path: str) -> bool:
+        if self.direct is False:
+            return False
+        return self._direct_ok.get(os.path.dirname(os.path.abspath(path)), True)
+
+    def _mark_no_direct(self, path: str, where: str) -> None:
+        d = os.path.dirname(os.path.abspath(path))
+        if self.direct is True:
+            raise FileIOError(errno.EINVAL, "open", path, detail="O_DIRECT was required but refused")
+        if self._direct_ok.get(d, True):
+            log.warning("O_DIRECT refused in %s (at %s); using buffered I/O with "
+                        "posix_fadvise there", d, where)
+        self._direct_ok[d] = False
+
+    def _acquire_file(self, path: str, writable: bool) -> _OpenFile:
+        with self._files_lock:
+            entry = self._files.get(path)
+            if entry is not None and writable and not entry.writable:
+                if entry.users == 0:
+                    del self._files[path]
+                    self._close_entry(entry)
+                    entry = None
+                else:
+                    # upgrade in place: a new read-write descriptor pair for later users
+                    del self._files[path]
+                    entry = None
+            if entry is None:
+                entry = _OpenFile(path, writable)
+                self._files[path] = entry
+                self._evict_idle()
+            self._files.move_to_end(path)
+            entry.users += 1
+            return entry
+
+    def _release_file(self, entry: _OpenFile) -> None:
+        with self._files_lock:
+            entry.users -= 1
+            if entry.users == 0 and self._files.get(entry.path) is not entry:
+                self._close_entry(entry)  # replaced while in use
+
+    def _evict_idle(self) -> None:
+        while len(self._files) > self.max_open_files:
+            for path, entry in self._files.items():
+                if entry.users == 0:
+                    del self._files[path]
+                    self._close_entry(entry)
+                    break
+            else:
+                return
+
+    def _fd(self, entry: _OpenFile, direct: bool) -> int:
+        attr = "direct_fd" if direct else "buffered_fd"
+        fd = getattr(entry, attr)
+        if fd is not None:
+            return fd
+        flags = (os.O_RDWR | os.O_CREAT) if entry.writable else os.O_RDONLY
+        flags |= getattr(os, "O_CLOEXEC", 0)
+        if direct:
+            flags |= os.O_DIRECT
+        try:
+            fd = os.open(entry.path, flags, 0o644)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                raise _DirectRefused() from e
+            raise FileIOError(e.errno, "open", entry.path) from e
+        with self._files_lock:
+            if getattr(entry, attr) is None:
+                setattr(entry, attr, fd)
+                if direct:
+                    self._direct_ok.setdefault(os.path.dirname(os.path.abspath(entry.path)), True)
+                return fd
+        os.close(fd)  # another thread opened it first
+        return getattr(entry, attr)
+
+    @staticmethod
+    def _close_entry(entry: _OpenFile) -> None:
+        for attr in ("direct_fd", "buffered_fd"):
+            fd = getattr(entry, attr)
+            if fd is not None:
+                setattr(entry, attr, None)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+class _DirectRefused(Exception):
+    """O_DIRECT was refused (EINVAL) by the file system; retry buffered."""

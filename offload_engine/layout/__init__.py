@@ -1,0 +1,1 @@
+"""layout layer (see docs/architecture.md)."""

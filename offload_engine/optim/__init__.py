@@ -1,0 +1,1 @@
+"""optim layer (see docs/architecture.md)."""
