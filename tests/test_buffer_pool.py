@@ -1,0 +1,98 @@
+import threading
+import time
+
+import pytest
+import torch
+
+from offload_engine.io import (ALIGN, BufferPool, PoolExhaustedError, RequestTooLargeError)
+
+
+def test_buffers_are_page_aligned_views_of_one_arena():
+    pool = BufferPool(1 << 20)
+    base = pool._arena.data_ptr()
+    bufs = [pool.acquire(n) for n in (1, 4095, 4096, 5000, 100_000)]
+    for b in bufs:
+        assert b.data_ptr() % ALIGN == 0
+        assert base <= b.data_ptr() < base + pool.capacity  # no allocation outside the arena
+    ends = sorted((b.offset, b.offset + b.capacity) for b in bufs)
+    for (_, end), (start, _) in zip(ends, ends[1:]):
+        assert end <= start  # no two buffers overlap
+    assert pool.in_use == sum(b.capacity for b in bufs)
+    for b in bufs:
+        b.release()
+    assert pool.in_use == 0 and pool.live_buffers == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.int32, torch.uint8])
+def test_views_of_any_dtype_share_memory(dtype):
+    pool = BufferPool(1 << 16)
+    with pool.acquire(1000) as buf:
+        t = buf.view(dtype)
+        assert t.dtype == dtype and t.numel() == 1000 // t.element_size()
+        t.fill_(3)
+        again = buf.view(dtype, 10)
+        assert again.data_ptr() == t.data_ptr() and bool((again == 3).all())
+        with pytest.raises(ValueError, match="need"):
+            buf.view(dtype, 10**6)
+
+
+def test_request_larger_than_budget_fails_at_once():
+    pool = BufferPool(64 << 10)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTooLargeError, match="can never fit"):
+        pool.acquire((64 << 10) + 1, timeout=60)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_exhaustion_times_out_with_clear_error():
+    pool = BufferPool(64 << 10)
+    held = pool.acquire(48 << 10)
+    with pytest.raises(PoolExhaustedError, match="held by 1 unreleased"):
+        pool.acquire(32 << 10, timeout=0.2)
+    held.release()
+    pool.acquire(32 << 10, timeout=0.2).release()
+
+
+def test_acquire_waits_for_a_release_from_another_thread():
+    pool = BufferPool(64 << 10)
+    held = pool.acquire(64 << 10)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(16 << 10, timeout=10)))
+    t.start()
+    time.sleep(0.1)
+    assert not got
+    held.release()
+    t.join(5)
+    assert got and got[0].nbytes == 16 << 10
+
+
+def test_release_coalesces_so_the_whole_budget_is_usable_again():
+    pool = BufferPool(1 << 20)
+    bufs = [pool.acquire(4096 * (i % 5 + 1)) for i in range(30)]
+    for b in bufs[::2] + bufs[1::2]:
+        b.release()
+    whole = pool.acquire(pool.capacity, timeout=0)
+    assert whole.offset == 0
+    whole.release()
+    assert pool.peak_in_use == pool.capacity
+
+
+def test_double_release_and_use_after_release_are_errors():
+    pool = BufferPool(1 << 16)
+    b = pool.acquire(10)
+    b.release()
+    with pytest.raises(RuntimeError, match="twice"):
+        b.release()
+    with pytest.raises(RuntimeError, match="after release"):
+        b.view(torch.float32)
+
+
+def test_pinning_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pool = BufferPool(1 << 16)
+        assert pool.pinned
+        return
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        BufferPool(1 << 16, pin=True)
+    assert not BufferPool(1 << 16).pinned

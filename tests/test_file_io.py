@@ -1,0 +1,214 @@
+import asyncio
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from offload_engine.io import AsyncFileIO, BufferPool, FileIOError, IOFuture, TruncatedFileError
+from offload_engine.io import file_io as file_io_mod
+
+
+@pytest.fixture
+def fio():
+    with AsyncFileIO(threads=3, queue_depth=2, block_size=64 << 10) as io:
+        yield io
+
+
+def _pattern(nbytes: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("nbytes,offset", [(0, 0), (1, 0), (4095, 0), (4096, 4096),
+                                           (4097, 8192), (1 << 20, 0), ((1 << 20) + 17, 3)])
+def test_round_trip_aligned_and_unaligned(fio, tmp_path, nbytes, offset):
+    path = tmp_path / "f"
+    src = _pattern(nbytes)
+    assert fio.write(path, offset, src, sync=True).result() == nbytes
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    assert fio.read(path, offset, out).result() == nbytes
+    assert torch.equal(out, src)
+    if nbytes:
+        assert os.path.getsize(path) == offset + nbytes
+
+
+def test_pooled_buffers_use_o_direct_where_supported(fio, tmp_path):
+    pool = BufferPool(1 << 20)
+    buf = pool.acquire(256 << 10)
+    buf.bytes.copy_(_pattern(256 << 10, 1))
+    fio.write(tmp_path / "d", 0, buf).result()
+    back = pool.acquire(256 << 10)
+    fio.read(tmp_path / "d", 0, back).result()
+    assert torch.equal(back.bytes, buf.bytes)
+    if fio.uses_direct(tmp_path / "d"):
+        assert fio.stats.direct_pieces == 8 and fio.stats.buffered_pieces == 0
+
+
+def test_any_dtype_tensor_including_bfloat16(fio, tmp_path):
+    src = torch.randn(1000).to(torch.bfloat16)
+    fio.write(tmp_path / "b", 0, src).result()
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    fio.read(tmp_path / "b", 0, out).result()
+    assert torch.equal(out.view(torch.int16), src.view(torch.int16))
+
+
+def test_future_is_awaitable_from_asyncio(fio, tmp_path):
+    src = _pattern(300_000)
+    out = torch.empty_like(src)
+
+    async def go():
+        await fio.write(tmp_path / "a", 0, src)
+        n = await fio.read(tmp_path / "a", 0, out)
+        return n
+
+    assert asyncio.run(go()) == 300_000
+    assert torch.equal(out, src)
+
+
+def test_gather_sums_and_propagates_errors(fio, tmp_path):
+    a = fio.write(tmp_path / "g", 0, _pattern(5000))
+    b = fio.write(tmp_path / "g", 5000, _pattern(100))
+    assert IOFuture.gather([a, b]).result() == 5100
+    bad = fio.read(tmp_path / "missing", 0, bytearray(10))
+    with pytest.raises(FileIOError):
+        IOFuture.gather([fio.read(tmp_path / "g", 0, bytearray(10)), bad]).result()
+
+
+def test_short_transfers_are_continued_until_every_byte_moved(tmp_path, monkeypatch):
+    """The kernel may move fewer bytes than asked (2 GiB cap, signals, pipes): loop."""
+    calls = {"read": 0, "write": 0}
+    real_preadv, real_pwritev = os.preadv, os.pwritev
+
+    def short_preadv(fd, bufs, off, *a):
+        calls["read"] += 1
+        return real_preadv(fd, [memoryview(bufs[0])[:1000]], off, *a)
+
+    def short_pwritev(fd, bufs, off, *a):
+        calls["write"] += 1
+        return real_pwritev(fd, [memoryview(bufs[0])[:777]], off, *a)
+
+    monkeypatch.setattr(file_io_mod.os, "preadv", short_preadv)
+    monkeypatch.setattr(file_io_mod.os, "pwritev", short_pwritev)
+    with AsyncFileIO(threads=2, queue_depth=2, block_size=64 << 10, direct=False) as io:
+        src = _pattern(100_000, 2)
+        io.write(tmp_path / "s", 0, src).result()
+        out = torch.empty_like(src)
+        io.read(tmp_path / "s", 0, out).result()
+    assert torch.equal(out, src)
+    assert calls["write"] >= 100_000 // 777 and calls["read"] >= 100
+
+
+def test_missing_file_names_path_and_errno(fio, tmp_path):
+    with pytest.raises(FileIOError) as info:
+        fio.read(tmp_path / "nope", 0, bytearray(4096)).result()
+    e = info.value
+    assert e.errno == errno.ENOENT and e.path == str(tmp_path / "nope")
+    assert str(tmp_path / "nope") in str(e)
+
+
+def test_truncated_file_is_an_error_naming_the_file(fio, tmp_path):
+    path = tmp_path / "t"
+    path.write_bytes(b"x" * 5000)
+    with pytest.raises(TruncatedFileError) as info:
+        fio.read(path, 4096, bytearray(8192)).result()
+    e = info.value
+    assert e.path == str(path) and "ends at byte 5000" in str(e)
+    assert e.offset is not None and e.length is not None
+
+
+def test_full_disk_write_reports_enospc(fio, tmp_path):
+    # /dev/full answers every write with ENOSPC: a disk with no space left.
+    with pytest.raises(FileIOError) as info:
+        fio.write("/dev/full", 0, _pattern(8192)).result()
+    assert info.value.errno == errno.ENOSPC and info.value.path == "/dev/full"
+    assert "No space left" in str(info.value)
+
+
+def test_full_disk_preallocation_reports_enospc(fio, tmp_path):
+    huge = 1 << 60  # more than any disk here has
+    with pytest.raises(FileIOError) as info:
+        fio.preallocate(tmp_path / "big", huge)
+    assert info.value.errno in (errno.ENOSPC, errno.EFBIG)
+    assert str(tmp_path / "big") in str(info.value)
+
+
+def test_preallocated_file_reads_zeros(fio, tmp_path):
+    fio.preallocate(tmp_path / "z", 1 << 20)
+    assert os.path.getsize(tmp_path / "z") == 1 << 20
+    out = torch.full((1 << 20,), 7, dtype=torch.uint8)
+    fio.read(tmp_path / "z", 0, out).result()
+    assert int(out.max()) == 0
+
+
+def test_read_only_directory_gives_clear_error(tmp_path):
+    """Run as an unprivileged user (root ignores directory permissions)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "existing").write_bytes(b"y" * 4096)
+    os.chmod(ro, 0o555)
+    code = textwrap.dedent(f"""
+        import errno, sys
+        from offload_engine.io import AsyncFileIO, FileIOError
+        io = AsyncFileIO(threads=1, queue_depth=1)
+        try:
+            io.write({str(ro / 'new')!r}, 0, bytearray(4096)).result()
+        except FileIOError as e:
+            print("ERR", e.errno, e)
+        buf = bytearray(4096)
+        print("READ", io.read({str(ro / 'existing')!r}, 0, buf).result())
+        io.close()
+    """)
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        # root ignores permission bits; drop the override capabilities for the child
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot make a directory read-only")
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] + cmd
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert f"ERR {errno.EACCES}" in out.stdout and str(ro / "new") in out.stdout
+    assert "READ 4096" in out.stdout  # readers are unaffected
+
+
+def test_o_direct_refusal_falls_back_to_buffered_and_logs(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(file_io_mod.os, "open", no_direct_open)
+    pool = BufferPool(1 << 20)
+    buf = pool.acquire(64 << 10)
+    buf.bytes.copy_(_pattern(64 << 10, 3))
+    with caplog.at_level(logging.WARNING), AsyncFileIO(threads=2, queue_depth=2) as io:
+        io.write(tmp_path / "n", 0, buf).result()
+        back = pool.acquire(64 << 10)
+        io.read(tmp_path / "n", 0, back).result()
+        assert io.uses_direct(tmp_path / "n") is False
+        assert io.stats.direct_pieces == 0
+    assert torch.equal(back.bytes, buf.bytes)
+    assert sum("O_DIRECT refused" in r.message for r in caplog.records) == 1
+
+
+def test_descriptors_are_cached_and_bounded(tmp_path):
+    before = len(os.listdir("/proc/self/fd"))
+    with AsyncFileIO(threads=2, queue_depth=2, max_open_files=4) as io:
+        for round_ in range(3):
+            for i in range(10):
+                io.write(tmp_path / f"f{i}", 0, _pattern(100, i)).result()
+        assert io.open_files <= 4
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_bad_block_size_is_rejected():
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        AsyncFileIO(block_size=1000)
