@@ -9,7 +9,6 @@ release; no memory is allocated per request. When the budget is in use, ``acquir
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
@@ -17,6 +16,7 @@ import time
 import torch
 
 from .align import ALIGN, aligned_host_buffer, round_up
+from .extents import Extents
 from .errors import PoolExhaustedError, RequestTooLargeError
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,8 @@ class BufferPool:
         want_pin = torch.cuda.is_available() if pin is None else pin
         if want_pin:
             self._pin()
-        # free extents as two parallel sorted lists (offsets, sizes) for first-fit + coalescing
-        self._free_offsets: list[int] = [0]
-        self._free_sizes: list[int] = [self.capacity]
+        self._extents = Extents(self.capacity)
         self._cond = threading.Condition()
-        self.in_use = 0
-        self.peak_in_use = 0
-        self.live_buffers = 0
         self._closed = False
 
     # -- pinning (CUDA only) -------------------------------------------------------------
@@ -152,7 +147,7 @@ class BufferPool:
                         f"buffer pool exhausted: waited {timeout:.1f} s for {need} bytes; "
                         f"{self.in_use} of {self.capacity} bytes are held by "
                         f"{self.live_buffers} unreleased buffers (largest free extent "
-                        f"{max(self._free_sizes, default=0)} bytes). Release buffers sooner "
+                        f"{self._extents.largest_free} bytes). Release buffers sooner "
                         f"or raise the pinned budget.")
                 self._cond.wait(remaining)
 
@@ -169,20 +164,8 @@ class BufferPool:
         return need
 
     def _take(self, nbytes: int, need: int) -> PooledBuffer | None:
-        for i, size in enumerate(self._free_sizes):
-            if size >= need:
-                offset = self._free_offsets[i]
-                if size == need:
-                    del self._free_offsets[i]
-                    del self._free_sizes[i]
-                else:
-                    self._free_offsets[i] = offset + need
-                    self._free_sizes[i] = size - need
-                self.in_use += need
-                self.live_buffers += 1
-                self.peak_in_use = max(self.peak_in_use, self.in_use)
-                return PooledBuffer(self, offset, nbytes, need)
-        return None
+        offset = self._extents.take(need)
+        return None if offset is None else PooledBuffer(self, offset, nbytes, need)
 
     def release(self, buf: PooledBuffer) -> None:
         """Return ``buf``'s extent to the free list, merging with its neighbours."""
@@ -192,22 +175,21 @@ class BufferPool:
             if buf._released:
                 raise RuntimeError(f"{buf!r} released twice")
             buf._released = True
-            offset, size = buf.offset, buf.capacity
-            i = bisect.bisect_left(self._free_offsets, offset)
-            # merge with the following extent
-            if i < len(self._free_offsets) and self._free_offsets[i] == offset + size:
-                size += self._free_sizes[i]
-                del self._free_offsets[i]
-                del self._free_sizes[i]
-            # merge with the preceding extent
-            if i > 0 and self._free_offsets[i - 1] + self._free_sizes[i - 1] == offset:
-                self._free_sizes[i - 1] += size
-            else:
-                self._free_offsets.insert(i, offset)
-                self._free_sizes.insert(i, size)
-            self.in_use -= buf.capacity
-            self.live_buffers -= 1
+            self._extents.give(buf.offset, buf.capacity)
             self._cond.notify_all()
+
+    @property
+    def in_use(self) -> int:
+        """Bytes held by unreleased buffers (multiples of 4096)."""
+        return self._extents.in_use
+
+    @property
+    def peak_in_use(self) -> int:
+        return self._extents.peak_in_use
+
+    @property
+    def live_buffers(self) -> int:
+        return self._extents.live
 
     @property
     def free_bytes(self) -> int:
@@ -215,7 +197,7 @@ class BufferPool:
 
     def reset_peak(self) -> None:
         with self._cond:
-            self.peak_in_use = self.in_use
+            self._extents.peak_in_use = self._extents.in_use
 
     def close(self) -> None:
         """Unpin and unmap the arena. Buffers still held become invalid."""

@@ -1,0 +1,57 @@
+"""First-fit allocation of page-aligned extents inside a fixed arena, coalesced on free.
+
+Shared by the pinned host pool and the GPU arena: the arena is allocated once, and every
+request is an (offset, size) inside it. Not thread-safe: callers hold their own lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class Extents:
+    """Free-list bookkeeping for an arena of ``capacity`` bytes (offsets and sizes in bytes)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._offsets: list[int] = [0]  # sorted free extent starts
+        self._sizes: list[int] = [capacity]
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.live = 0
+
+    def take(self, size: int) -> int | None:
+        """Offset of a free extent of ``size`` bytes, or None when none is large enough."""
+        for i, free in enumerate(self._sizes):
+            if free >= size:
+                offset = self._offsets[i]
+                if free == size:
+                    del self._offsets[i]
+                    del self._sizes[i]
+                else:
+                    self._offsets[i] = offset + size
+                    self._sizes[i] = free - size
+                self.in_use += size
+                self.live += 1
+                self.peak_in_use = max(self.peak_in_use, self.in_use)
+                return offset
+        return None
+
+    def give(self, offset: int, size: int) -> None:
+        """Return ``[offset, offset+size)``, merging with adjacent free extents."""
+        self.in_use -= size
+        self.live -= 1
+        i = bisect.bisect_left(self._offsets, offset)
+        if i < len(self._offsets) and self._offsets[i] == offset + size:
+            size += self._sizes[i]
+            del self._offsets[i]
+            del self._sizes[i]
+        if i > 0 and self._offsets[i - 1] + self._sizes[i - 1] == offset:
+            self._sizes[i - 1] += size
+        else:
+            self._offsets.insert(i, offset)
+            self._sizes.insert(i, size)
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._sizes, default=0)

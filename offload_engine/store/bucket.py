@@ -1,0 +1,43 @@
+"""A bucket: a contiguous element range of one flat array, the unit of residency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ABSENT = "absent"      # only on its home tier (disk, or never touched)
+READING = "reading"    # a read into a pinned buffer is in flight
+RESIDENT = "resident"  # bytes valid in the pinned buffer
+WRITING = "writing"    # write-back to disk in flight; bytes still valid in the buffer
+
+
+@dataclass(eq=False)
+class Bucket:
+    array: Any            # the _Array it belongs to
+    index: int
+    start: int            # first element
+    stop: int             # one past the last element
+    nbytes: int
+    state: str = ABSENT
+    buf: Any = None       # PooledBuffer while resident, reading or writing
+    gpu_offset: int | None = None  # extent in the GPU arena (gpu home, or staged for a user)
+    refs: int = 0
+    dirty: bool = False   # holds bytes newer than the home tier's
+    on_disk: bool = False
+    evict_after_write: bool = False
+    write_failed: bool = False
+    error: BaseException | None = None
+    last_use: int = 0
+    d2h_event: Any = None  # torch.cuda.Event guarding buf after a copy from the GPU
+    pinned_home: bool = False  # cpu/gpu home: never evicted
+    gpu_users: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.array.name, self.index)
+
+    def host_view(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.buf.view(dtype, self.stop - self.start)

@@ -1,0 +1,72 @@
+"""The store's configuration schema: validated, unknown keys rejected by name.
+
+Sizes take ints or strings such as "8GiB" / "5GB". A config loads from a dict or a JSON file:
+``StoreConfig.model_validate(d)`` / ``StoreConfig.from_file(path)``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from ..units import parse_bytes
+
+Tier = Literal["gpu", "cpu", "nvme"]
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+MiB = 1 << 20
+
+
+class StoreConfig(BaseModel):
+    """Where optimizer state lives and how it moves. All sizes are bytes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nvme_paths: list[str] = Field(default_factory=list, description=(
+        "Directories on NVMe; the first holds the zarr group, buckets are striped over all "
+        "of them round-robin."))
+    cpu_budget: Bytes = Field(1 << 30, description="Pinned host pool, bytes (one arena).")
+    gpu_budget: Bytes = Field(0, description="GPU memory for state, bytes (CUDA only).")
+    bucket_bytes: Bytes = Field(64 * MiB, description=(
+        "Bytes per bucket (unit of residency and of one chunk file); multiple of 4096."))
+    io_threads: int = Field(8, ge=1, le=256)
+    queue_depth: int = Field(8, ge=1, le=1024)
+    block_size: Bytes = Field(8 * MiB, description="Bytes per I/O piece; multiple of 4096.")
+    prefetch_depth: int = Field(2, ge=0, le=1024, description="Buckets read ahead of use.")
+    alternate_order: bool = Field(True, description=(
+        "Reverse the scheduled order every step so buckets still cached are used first."))
+    default_home: Literal["auto", "gpu", "cpu", "nvme"] = Field("nvme", description=(
+        "Home tier of arrays not named in `homes`; 'auto' fills gpu, then cpu, then nvme."))
+    homes: dict[str, Tier] = Field(default_factory=dict, description="Home tier per array name.")
+    acquire_timeout_s: float = Field(60.0, gt=0, description=(
+        "Longest wait for pinned space before acquire() fails with a clear error."))
+
+    @field_validator("bucket_bytes", "block_size")
+    @classmethod
+    def _multiple_of_page(cls, v: int, info) -> int:
+        if v <= 0 or v % 4096:
+            raise ValueError(f"{info.field_name} must be a positive multiple of 4096 bytes, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _nvme_needed(self) -> "StoreConfig":
+        uses_nvme = self.default_home in ("nvme", "auto") or "nvme" in self.homes.values()
+        if uses_nvme and not self.nvme_paths and self.default_home == "nvme":
+            raise ValueError("default_home is 'nvme' but nvme_paths is empty")
+        if "nvme" in self.homes.values() and not self.nvme_paths:
+            raise ValueError("an array's home is 'nvme' but nvme_paths is empty")
+        return self
+
+    @classmethod
+    def from_file(cls, path: str) -> "StoreConfig":
+        """Load and validate a JSON config file; errors name the file."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+        try:
+            return cls.model_validate(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,635 @@
+"""TieredStore: flat state arrays served bucket by bucket from GPU, pinned CPU or NVMe.
+
+Data flow for an NVMe-home bucket: disk --(read, prefetched k ahead)--> pinned buffer
+--(acquire: the view itself on CPU, or a side-stream copy to the GPU)--> user --(release
+dirty)--> pinned buffer --(write-back when evicted or flushed)--> disk. Victims are chosen by
+next use in the recorded schedule, so each bucket not kept resident is read once and
+written once per step, and buckets still cached from the previous step are hits.
+
+Thread safety: one lock guards all bucket state; I/O completions (on I/O threads) take it,
+update state, wake waiters and issue the next prefetches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..io import AsyncFileIO, BufferPool, PoolExhaustedError
+from ..layout import FlatArray, create_group, read_group, write_group_attributes
+from ..layout.dtypes import torch_to_zarr
+from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
+from .config import StoreConfig
+from .lock import WriteLock
+from .schedule import INF, Schedule
+from .stats import StatsCounter, StoreStats
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+FORMAT = "offload-engine-store"
+FORMAT_VERSION = 1
+
+
+@dataclass(eq=False)
+class _Array:
+    name: str
+    dtype: torch.dtype
+    numel: int
+    itemsize: int
+    home: str
+    bucket_elems: int
+    buckets: list
+    flat: FlatArray | None = None
+
+
+@dataclass(eq=False)
+class Handle:
+    """A bucket range lent to a user: ``tensor`` is valid until ``store.release(handle)``."""
+
+    array: str
+    start: int            # first element (array coordinates)
+    stop: int
+    device: torch.device
+    tensor: torch.Tensor
+    _bucket: Bucket
+    _released: bool = False
+
+
+class TieredStore:
+    """Flat arrays of optimizer state across GPU, pinned CPU and NVMe (see docs/store.md).
+
+    Args:
+        config: a StoreConfig or a dict validated into one.
+    """
+
+    def __init__(self, config: StoreConfig | dict):
+        self.config = config if isinstance(config, StoreConfig) else StoreConfig.model_validate(config)
+        cfg = self.config
+        self.root = os.path.abspath(cfg.nvme_paths[0]) if cfg.nvme_paths else None
+        self._stripes = [os.path.abspath(p) for p in cfg.nvme_paths]
+        self._locks = []
+        for d in self._stripes:
+            os.makedirs(d, exist_ok=True)
+            try:
+                self._locks.append(WriteLock(d))
+            except Exception:
+                self._release_locks()
+                raise
+        try:
+            self.pool = BufferPool(cfg.cpu_budget)
+            self.io = AsyncFileIO(threads=cfg.io_threads, queue_depth=cfg.queue_depth,
+                                  block_size=cfg.block_size)
+            self.gpu = None
+            if cfg.gpu_budget and torch.cuda.is_available():
+                from .gpu_tier import GpuTier
+                self.gpu = GpuTier(cfg.gpu_budget)
+        except Exception:
+            self._release_locks()
+            raise
+        if self.root is not None:
+            if os.path.exists(os.path.join(self.root, "zarr.json")):
+                attrs = read_group(self.root)
+                if attrs.get("format", FORMAT) != FORMAT:
+                    self._release_locks()
+                    raise ValueError(f"{self.root} holds a zarr group that is not an offload-engine store")
+            else:
+                create_group(self.root, {"format": FORMAT, "format_version": FORMAT_VERSION, "arrays": {}})
+        self._arrays: dict[str, _Array] = {}
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._resident: set[Bucket] = set()
+        self._prefetch_queue: list[Bucket] = []
+        self._schedule: Schedule | None = None
+        self._recording: list | None = None
+        self._recorded: set = set()
+        self._write_errors: list[BaseException] = []
+        self._inflight_writes = 0
+        self._tick = 0
+        self._stats = StatsCounter()
+        self._auto_bytes = {"gpu": 0, "cpu": 0}
+        self._closed = False
+
+    # -- arrays -----------------------------------------------------------------------------
+    def register(self, name: str, dtype: torch.dtype, numel: int, home: str | None = None) -> _Array:
+        """Declare a flat array of ``numel`` elements of ``dtype``.
+
+        Nothing is written: buckets never touched read as zeros. An NVMe-home array that
+        already exists in the store directory (from an earlier run) is reopened, and must
+        have the same dtype and numel. Returns the array's description.
+        """
+        if not _NAME.match(name):
+            raise ValueError(f"array name {name!r}: use letters, digits, '_', '.', '-' and '/'")
+        if numel < 0:
+            raise ValueError(f"array {name}: numel must be >= 0, got {numel}")
+        torch_to_zarr(dtype)  # raises for an unsupported dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            if name in self._arrays:
+                raise ValueError(f"array {name} is already registered")
+            home = self._choose_home(name, home, numel * itemsize)
+            bucket_elems = self.config.bucket_bytes // itemsize
+            arr = _Array(name, dtype, numel, itemsize, home, bucket_elems, [])
+            for i, start in enumerate(range(0, numel, bucket_elems)):
+                stop = min(start + bucket_elems, numel)
+                arr.buckets.append(Bucket(arr, i, start, stop, (stop - start) * itemsize,
+                                          pinned_home=home in ("cpu", "gpu")))
+            if home == "nvme":
+                arr.flat = self._open_or_create(arr)
+            self._arrays[name] = arr
+            if home == "nvme":
+                self._write_manifest()
+            return arr
+
+    def _choose_home(self, name: str, home: str | None, nbytes: int) -> str:
+        home = home or self.config.homes.get(name) or self.config.default_home
+        if home == "auto":
+            # fill the GPU, then the pinned pool (keeping room for the NVMe working set), then NVMe
+            reserve = (self.config.prefetch_depth + 2) * self.config.bucket_bytes
+            if self.gpu is not None and self._auto_bytes["gpu"] + nbytes <= self.gpu.capacity:
+                home = "gpu"
+            elif self._auto_bytes["cpu"] + nbytes + reserve <= self.pool.capacity or not self.root:
+                home = "cpu"
+            else:
+                home = "nvme"
+            if home in self._auto_bytes:
+                self._auto_bytes[home] += nbytes
+        if home == "gpu" and self.gpu is None:
+            raise ValueError(f"array {name}: home tier 'gpu' needs CUDA and a gpu_budget > 0"
+                             + ("" if torch.cuda.is_available() else " (CUDA is not available)"))
+        if home == "nvme" and self.root is None:
+            raise ValueError(f"array {name}: home tier 'nvme' needs nvme_paths in the config")
+        if home not in ("gpu", "cpu", "nvme"):
+            raise ValueError(f"array {name}: unknown home tier {home!r}")
+        return home
+
+    def _open_or_create(self, arr: _Array) -> FlatArray:
+        path = os.path.join(self.root, arr.name)
+        if os.path.exists(os.path.join(path, "zarr.json")):
+            flat = FlatArray.open(path, io=self.io, mode="r+")
+            if (flat.dtype != arr.dtype or flat.numel != arr.numel
+                    or (flat.chunk_elems != arr.bucket_elems and len(arr.buckets) > 1)):
+                raise ValueError(
+                    f"array {arr.name} in {path} has dtype {flat.dtype}, {flat.numel} elements and "
+                    f"{flat.chunk_elems}-element chunks; asked for {arr.dtype}, {arr.numel} and "
+                    f"{arr.bucket_elems}")
+        else:
+            flat = FlatArray.create(path, arr.numel, arr.dtype, io=self.io,
+                                    chunk_bytes=self.config.bucket_bytes,
+                                    attributes={"offload_engine": {"home": "nvme"}})
+        self._stripe(arr, flat)
+        for b in arr.buckets:
+            b.on_disk = os.path.exists(flat.chunk_path(b.index))
+        return flat
+
+    def _stripe(self, arr: _Array, flat: FlatArray) -> None:
+        """Put chunk i on nvme path i % n: a symlink at the zarr key points at the file, so
+        zarr-python and tensorstore still find every chunk at ``<array>/c/<i>``."""
+        n = len(self._stripes)
+        if n <= 1:
+            return
+        for b in arr.buckets:
+            stripe = b.index % n
+            if stripe == 0:
+                continue
+            link = flat.chunk_path(b.index)
+            target = os.path.join(self._stripes[stripe], "stripes", arr.name, "c", str(b.index))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            if not os.path.islink(link):
+                if os.path.exists(link):  # a plain chunk from an unstriped run: keep it there
+                    continue
+                os.symlink(target, link)
+
+    def _write_manifest(self) -> None:
+        arrays = {a.name: {"dtype": torch_to_zarr(a.dtype), "numel": a.numel, "home": a.home,
+                           "bucket_elems": a.bucket_elems}
+                  for a in self._arrays.values() if a.home == "nvme"}
+        write_group_attributes(self.root, {"format": FORMAT, "format_version": FORMAT_VERSION,
+                                           "arrays": arrays, "stripes": self._stripes})
+
+    def bucket_ranges(self, name: str) -> list[tuple[int, int]]:
+        """The [start, stop) element ranges of ``name``'s buckets, in order."""
+        return [(b.start, b.stop) for b in self._array(name).buckets]
+
+    def arrays(self) -> dict[str, _Array]:
+        return dict(self._arrays)
+
+    def _array(self, name: str) -> _Array:
+        try:
+            return self._arrays[name]
+        except KeyError:
+            raise KeyError(f"no array named {name!r} is registered in this store") from None
+
+    def _locate(self, name: str, rng) -> tuple[Bucket, int, int]:
+        arr = self._array(name)
+        if isinstance(rng, int):
+            if not 0 <= rng < len(arr.buckets):
+                raise IndexError(f"array {name} has {len(arr.buckets)} buckets; no bucket {rng}")
+            b = arr.buckets[rng]
+            return b, b.start, b.stop
+        start, stop = rng
+        if not 0 <= start <= stop <= arr.numel:
+            raise IndexError(f"range [{start}, {stop}) is outside array {name} of {arr.numel} elements")
+        if not arr.buckets:
+            raise IndexError(f"array {name} is empty")
+        b = arr.buckets[min(start // arr.bucket_elems, len(arr.buckets) - 1)]
+        if stop > b.stop:
+            raise ValueError(f"range [{start}, {stop}) of {name} crosses a bucket boundary at "
+                             f"element {b.stop}; acquire each bucket of bucket_ranges() separately")
+        return b, start, stop
+
+    # -- acquire / release -------------------------------------------------------------------
+    def acquire(self, name: str, rng: tuple[int, int] | int, device: str | torch.device = "cpu") -> Handle:
+        """Lend elements ``rng`` = (start, stop) (or a bucket index) of array ``name``.
+
+        On "cpu" the tensor is a view of the pooled pinned buffer itself (no copy); on a CUDA
+        device it is a GPU tensor filled by a side-stream copy the current stream waits for.
+        Blocks while the bucket's read is in flight; raises PoolExhaustedError if no pinned
+        space frees up within ``acquire_timeout_s``.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"acquire on {dev}: CUDA is not available on this machine")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"acquire on {dev}: only 'cpu' and CUDA devices are supported")
+        b, start, stop = self._locate(name, rng)
+        arr = b.array
+        if dev.type == "cuda" and self.gpu is None:
+            raise ValueError(f"acquire of {name} on {dev}: the store has no gpu tier (gpu_budget is 0)")
+        if arr.home == "gpu" and dev.type != "cuda":
+            raise ValueError(f"array {name} lives on the GPU; acquire it with a CUDA device")
+        with self._lock:
+            self._check_open()
+            self._note_use(b)
+            t0 = time.monotonic()
+            waited = self._make_resident(b, demand=True)
+            b.refs += 1
+            self._tick += 1
+            b.last_use = self._tick
+            self._pump()
+            if waited:
+                self._stats.current.io_wait_s += time.monotonic() - t0
+            if dev.type == "cpu":
+                if b.d2h_event is not None:
+                    b.d2h_event.synchronize()  # a CPU user after a GPU one: bytes must have landed
+                    b.d2h_event = None
+                tensor = b.host_view(arr.dtype)[start - b.start:stop - b.start]
+            else:
+                tensor = self._stage_on_gpu(b)[start - b.start:stop - b.start]
+        return Handle(name, start, stop, dev, tensor, b)
+
+    def release(self, handle: Handle, dirty: bool = False) -> None:
+        """End the loan of ``handle``; ``dirty`` says its bytes were changed."""
+        b = handle._bucket
+        with self._lock:
+            if handle._released:
+                raise RuntimeError(f"handle of {handle.array}[{handle.start}:{handle.stop}] released twice")
+            handle._released = True
+            if handle.device.type == "cuda":
+                self._unstage_from_gpu(b, dirty)
+            b.refs -= 1
+            if dirty and b.array.home == "nvme":
+                b.dirty = True
+            self._pump()
+            self._cv.notify_all()
+
+    def _note_use(self, b: Bucket) -> None:
+        if self._schedule is not None:
+            self._schedule.mark_used(b.key)
+        elif self._recording is not None and b.key not in self._recorded:
+            self._recording.append(b.key)
+            self._recorded.add(b.key)
+
+    def _make_resident(self, b: Bucket, demand: bool) -> bool:
+        """Bring ``b`` into its buffer; returns whether the caller had to wait."""
+        deadline = time.monotonic() + self.config.acquire_timeout_s
+        waited = False
+        counted = False
+        while True:
+            if b.error is not None:
+                err, b.error = b.error, None
+                raise err
+            if b.state == RESIDENT:
+                if not counted:
+                    self._stats.current.hits += 1
+                return waited
+            if b.state == ABSENT:
+                status = self._fill(b, demand)
+                if status == "started":
+                    if not counted:
+                        self._stats.current.misses += 1
+                        counted = True
+                    continue
+                if status == "none" and self._write_errors:
+                    raise self._write_errors[0]
+            elif b.state == WRITING:
+                b.evict_after_write = False  # needed again: keep it once the write lands
+            elif b.state == READING and not counted:
+                self._stats.current.hits += 1  # prefetched: the read was already on its way
+                counted = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                held = sum(1 for r in self._resident if r.refs)
+                raise PoolExhaustedError(
+                    f"acquire of {b.array.name} bucket {b.index} ({b.nbytes} bytes): no pinned space "
+                    f"freed within {self.config.acquire_timeout_s:.1f} s; {self.pool.in_use} of "
+                    f"{self.pool.capacity} bytes in use, {held} buckets held by acquire() without "
+                    f"release(). Release handles sooner or raise cpu_budget.")
+            waited = True
+            self._cv.wait(remaining)
+
+    # -- filling and eviction -----------------------------------------------------------------
+    def _fill(self, b: Bucket, demand: bool) -> str:
+        """Start bringing ``b`` in: "started", "pending" (space is being freed) or "none"."""
+        arr = b.array
+        if arr.home == "gpu":
+            off = self.gpu.alloc(b.nbytes)
+            if off is None:
+                raise RuntimeError(f"gpu tier full: cannot hold {arr.name} bucket {b.index}")
+            b.gpu_offset = off
+            self.gpu.view(off, b.nbytes, torch.uint8).zero_()
+            b.state = RESIDENT
+            self._stats.current.zero_fills += 1
+            return "started"
+        buf, status = self._get_buffer(b, demand)
+        if buf is None:
+            return status
+        b.buf = buf
+        self._resident.add(b)
+        if arr.home != "nvme" or not b.on_disk:
+            buf.bytes.zero_()  # first touch: zeros, nothing read, nothing written
+            b.state = RESIDENT
+            self._stats.current.zero_fills += 1
+            self._cv.notify_all()
+            return "started"
+        b.state = READING
+        fut = arr.flat.read_into(b.start, b.stop, buf)
+        fut.add_done_callback(lambda f, b=b: self._read_done(b, f))
+        return "started"
+
+    def _read_done(self, b: Bucket, fut) -> None:
+        with self._lock:
+            err = fut.exception()
+            if err is not None:
+                b.error = err
+                self._drop(b, count=False)
+            else:
+                b.state = RESIDENT
+                self._stats.current.bytes_read["nvme"] += b.nbytes
+            self._cv.notify_all()
+            self._pump()
+
+    def _get_buffer(self, b: Bucket, demand: bool):
+        limit = INF if demand else self._next_use(b)
+        while True:
+            buf = self.pool.try_acquire(b.nbytes)
+            if buf is not None:
+                return buf, "ok"
+            victim = self._pick_victim(b, limit, demand)
+            if victim is None:
+                return None, ("pending" if self._inflight_writes else "none")
+            if victim.dirty:
+                self._start_write(victim, evict_after=True)
+                return None, "pending"
+            self._drop(victim)
+
+    def _pick_victim(self, b: Bucket, limit: float, demand: bool) -> Bucket | None:
+        best, best_rank = None, None
+        for v in self._resident:
+            if v is b or v.refs or v.state != RESIDENT or v.pinned_home or v.write_failed:
+                continue
+            nu = self._next_use(v)
+            if demand and nu <= self.config.prefetch_depth and self._inflight_writes:
+                continue  # prefetched for the next use: wait for the write-backs instead
+            if not demand:
+                # a prefetch never evicts what is needed sooner than what it fetches
+                if limit == INF:
+                    if nu != INF or v.dirty:
+                        continue
+                elif nu <= limit:
+                    continue
+            rank = (nu, not v.dirty, -v.last_use)
+            if best_rank is None or rank > best_rank:
+                best, best_rank = v, rank
+        return best
+
+    def _next_use(self, b: Bucket) -> float:
+        return self._schedule.next_use(b.key) if self._schedule is not None else INF
+
+    def _drop(self, b: Bucket, count: bool = True) -> None:
+        if b.buf is not None:
+            self.pool.release(b.buf)
+            b.buf = None
+        self._resident.discard(b)
+        b.state = ABSENT
+        b.dirty = False
+        if count:
+            self._stats.current.evictions += 1
+
+    def _start_write(self, b: Bucket, evict_after: bool) -> None:
+        b.state = WRITING
+        b.evict_after_write = evict_after
+        b.dirty = False
+        self._inflight_writes += 1
+        event, b.d2h_event = b.d2h_event, None
+        if event is not None:
+            # bytes are still arriving from the GPU: wait on an I/O-side thread, not here
+            threading.Thread(target=self._write_after_event, args=(b, event), daemon=True).start()
+            return
+        fut = b.array.flat.write_from(b.start, b.stop, b.buf)
+        fut.add_done_callback(lambda f, b=b: self._write_done(b, f))
+
+    def _write_after_event(self, b: Bucket, event) -> None:
+        event.synchronize()
+        fut = b.array.flat.write_from(b.start, b.stop, b.buf)
+        fut.add_done_callback(lambda f, b=b: self._write_done(b, f))
+
+    def _write_done(self, b: Bucket, fut) -> None:
+        with self._lock:
+            self._inflight_writes -= 1
+            err = fut.exception()
+            if err is not None:
+                log.error("write-back of %s bucket %d failed: %s", b.array.name, b.index, err)
+                b.dirty = True  # the bytes are still here: nothing is lost
+                b.write_failed = True
+                b.state = RESIDENT
+                self._write_errors.append(err)
+            else:
+                b.on_disk = True
+                self._stats.current.bytes_written["nvme"] += b.nbytes
+                if b.evict_after_write and b.refs == 0:
+                    self._drop(b)
+                else:
+                    b.state = RESIDENT
+            b.evict_after_write = False
+            self._cv.notify_all()
+            self._pump()
+
+    def _pump(self) -> None:
+        """Issue reads for the next ``prefetch_depth`` scheduled buckets and queued prefetches."""
+        if self._closed:
+            return
+        wanted = []
+        if self._schedule is not None and self.config.prefetch_depth:
+            wanted = [self._bucket(k) for k in self._schedule.upcoming(self.config.prefetch_depth)]
+        if self._prefetch_queue:
+            self._prefetch_queue = [q for q in self._prefetch_queue if q.state == ABSENT]
+            wanted += self._prefetch_queue
+        for b in wanted:
+            if b.state != ABSENT or b.array.home == "gpu":
+                continue
+            if self._fill(b, demand=False) == "none":
+                break
+
+    def _bucket(self, key) -> Bucket:
+        return self._arrays[key[0]].buckets[key[1]]
+
+    # -- GPU staging --------------------------------------------------------------------------
+    def _stage_on_gpu(self, b: Bucket) -> torch.Tensor:
+        dtype = b.array.dtype
+        if b.array.home == "gpu":
+            return self.gpu.view(b.gpu_offset, b.nbytes, dtype)
+        if b.gpu_users == 0:
+            off = self.gpu.alloc(b.nbytes)
+            if off is None:
+                raise RuntimeError(f"gpu tier full: cannot stage {b.array.name} bucket {b.index} "
+                                   f"({b.nbytes} bytes); raise gpu_budget")
+            b.gpu_offset = off
+            self.gpu.copy_in(self.gpu.view(off, b.nbytes, torch.uint8), b.buf.bytes)
+            self._stats.current.bytes_read["cpu"] += b.nbytes
+            self._stats.current.bytes_written["gpu"] += b.nbytes
+        b.gpu_users += 1
+        return self.gpu.view(b.gpu_offset, b.nbytes, dtype)
+
+    def _unstage_from_gpu(self, b: Bucket, dirty: bool) -> None:
+        if b.array.home == "gpu":
+            return
+        b.gpu_users -= 1
+        if dirty:
+            b.d2h_event = self.gpu.copy_out(b.buf.bytes, self.gpu.view(b.gpu_offset, b.nbytes, torch.uint8))
+            self._stats.current.bytes_read["gpu"] += b.nbytes
+            self._stats.current.bytes_written["cpu"] += b.nbytes
+        if b.gpu_users == 0:
+            # later copies into this extent run on the same side stream, after the copy-out
+            self.gpu.free(b.gpu_offset, b.nbytes)
+            b.gpu_offset = None
+
+    # -- schedule ------------------------------------------------------------------------------
+    def set_schedule(self, order: list[tuple[str, int]] | None) -> None:
+        """Declare the per-step bucket order (``(array, bucket_index)`` pairs); None clears it."""
+        with self._lock:
+            if order is None:
+                self._schedule = None
+                return
+            for name, idx in order:
+                if not 0 <= idx < len(self._array(name).buckets):
+                    raise IndexError(f"schedule names bucket {idx} of {name}, which has "
+                                     f"{len(self._array(name).buckets)}")
+            self._schedule = Schedule([tuple(k) for k in order], self.config.alternate_order)
+            self._recording = None
+
+    def begin_step(self) -> list[tuple[str, int]] | None:
+        """Mark a step boundary; returns the bucket order to use in this step.
+
+        Without a declared schedule, the first step's acquire order is recorded and becomes
+        the schedule from the second step on (None is returned while recording).
+        """
+        with self._lock:
+            if self._schedule is None:
+                if self._recording:
+                    self._schedule = Schedule(self._recording, self.config.alternate_order)
+                    self._schedule.step = 0  # the recorded step was step 0 of this order
+                    self._recording = None
+                else:
+                    self._recording, self._recorded = [], set()
+                    return None
+            order = self._schedule.begin_step()
+            self._pump()
+            return list(order)
+
+    def prefetch(self, ranges) -> None:
+        """Start reading the buckets holding ``ranges``: (array, (start, stop)) or (array, index)."""
+        with self._lock:
+            self._check_open()
+            for name, rng in ranges:
+                b, _, _ = self._locate(name, rng)
+                if b.state == ABSENT and b not in self._prefetch_queue:
+                    self._prefetch_queue.append(b)
+            self._pump()
+
+    # -- flush / stats / close --------------------------------------------------------------------
+    def flush(self, sync: bool = False) -> None:
+        """Write every dirty NVMe bucket home and wait; with ``sync`` also fdatasync them.
+
+        Raises the first write error (a FileIOError naming the chunk file); the bytes stay
+        in memory, dirty, so a later flush can retry.
+        """
+        with self._lock:
+            self._check_open()
+            t0 = time.monotonic()
+            self._write_errors.clear()
+            for b in list(self._resident):
+                b.write_failed = False
+                if b.dirty and b.state == RESIDENT:
+                    self._start_write(b, evict_after=False)
+            while self._inflight_writes:
+                self._cv.wait()
+            self._stats.current.io_wait_s += time.monotonic() - t0
+            if self._write_errors:
+                raise self._write_errors[0]
+            written = [b for a in self._arrays.values() if a.home == "nvme" for b in a.buckets if b.on_disk]
+        if sync:
+            futures = [self.io.sync(b.array.flat.chunk_path(b.index)) for b in written]
+            for f in futures:
+                f.result()
+
+    def stats(self, reset: bool = False) -> StoreStats:
+        """Counters since the last reset (see StoreStats); ``reset`` starts new ones."""
+        with self._lock:
+            snap = self._stats.snapshot(self.pool.peak_in_use,
+                                        self.gpu.peak_in_use if self.gpu else 0)
+            if reset:
+                self._stats.reset()
+                self.pool.reset_peak()
+            return snap
+
+    def resident_buckets(self) -> list[tuple[str, int]]:
+        """Keys of buckets whose bytes are in the pinned pool now."""
+        with self._lock:
+            return sorted(b.key for b in self._resident if b.state in (RESIDENT, WRITING))
+
+    def close(self) -> None:
+        """Flush dirty buckets, stop I/O, free the pool and release the write lock."""
+        if self._closed:
+            return
+        try:
+            if self.root is not None:
+                self.flush()
+        finally:
+            with self._lock:
+                self._closed = True
+            self.io.close()
+            self.pool.close()
+            self._release_locks()
+
+    def _release_locks(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the store is closed")
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
