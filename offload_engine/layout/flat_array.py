@@ -1,0 +1,475 @@
+"""FlatArray: a 1-D zarr v3 array whose chunk files the engine reads and writes itself.
+
+Element ranges map to byte ranges of chunk files ``<path>/c/<i>``; each piece goes to
+``AsyncFileIO`` as one request, so the hot path is preadv/pwritev into the caller's buffer
+with no zarr-python in between. Chunk files are either absent (every element equals the
+fill value; nothing is read, the fill is written into the caller's buffer) or exactly
+``chunk_bytes`` long, the edge chunk padded as the zarr spec requires.
+
+Arrays written by other tools are served directly when their chunks are plain
+little-endian bytes. Compressed, sharded or big-endian 1-D arrays are read through
+zarr-python (slow, correct) and refused for writing; anything else is refused at open.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import threading
+
+import numpy as np
+import torch
+
+from ..io import AsyncFileIO, FileIOError, IOFuture, PooledBuffer, TruncatedFileError
+from ..io.align import as_byte_view
+from . import dtypes
+from .metadata import (PAGE, ArrayMetadata, ForeignArrayError, MetadataError,
+                       NodeNotFoundError, fsync_dir, metadata_path, new_array_doc, parse_array,
+                       read_node, write_json_atomic)
+
+MiB = 1 << 20
+DEFAULT_CHUNK_BYTES = 64 * MiB
+
+
+class ChunkSizeError(FileIOError):
+    """A chunk file whose size is not the array's chunk size (bytes); names the file."""
+
+
+class TruncatedChunkError(ChunkSizeError, TruncatedFileError):
+    """A chunk file shorter than the array's chunk size: a torn or truncated write."""
+
+
+class FlatArray:
+    """A 1-D zarr v3 array of ``numel`` elements, read and written by element range.
+
+    Create with :meth:`create`, open with :meth:`open`. Methods that move data return an
+    ``IOFuture`` (result: bytes delivered, fill included); argument errors are raised at
+    the call. Two FlatArray objects on one path in one process must not create chunks
+    concurrently; reads and writes of the same range must not overlap in time.
+    """
+
+    def __init__(self, meta: ArrayMetadata, io: AsyncFileIO, mode: str):
+        self._meta = meta
+        self._io = io
+        self._mode = mode
+        self._create_lock = threading.Lock()  # stat-then-create of a chunk is one step
+        self._zarr_array = None  # opened on first slow-path read
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | os.PathLike, numel: int, dtype: torch.dtype, *,
+               io: AsyncFileIO, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               attributes: dict | None = None, dimension_name: str = "element",
+               preallocate: bool = False, overwrite: bool = False) -> "FlatArray":
+        """Create the array directory and its zarr.json; returns the array opened "r+".
+
+        Args:
+            numel: elements in the array.
+            dtype: element type (see ``dtypes``: float32, bfloat16, float16, float64, the
+                integer types and bool).
+            chunk_bytes: bytes per chunk file, a positive multiple of 4096. It is capped at
+                the array's size rounded up to 4096, so a small array is one small file
+                (read ``.chunk_bytes`` for the value in use).
+            attributes: JSON-serialisable dict stored in zarr.json ``attributes``.
+            dimension_name: the single entry of ``dimension_names``.
+            preallocate: reserve every chunk file now (posix_fallocate); otherwise each is
+                created, at full size, by the first write that touches it.
+            overwrite: replace an existing array at ``path`` (its chunk files are deleted).
+
+        Chunk files never hold fill values written by Python: an absent file reads as the
+        fill value (0) and a preallocated one reads as zeros.
+        """
+        path = os.fspath(path)
+        element = dtypes.from_torch(dtype)
+        numel = _count(numel, "numel", path)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) \
+                or chunk_bytes <= 0 or chunk_bytes % PAGE:
+            raise ValueError(f"array {path}: chunk_bytes must be a positive multiple of "
+                             f"{PAGE} bytes, got {chunk_bytes!r}")
+        # Never more than one (page-rounded) array's worth: a 10-element array should not
+        # cost a 64 MiB file, since edge chunks are stored at full size.
+        array_bytes = max(numel * element.itemsize, 1)
+        chunk_bytes = min(chunk_bytes, -(-array_bytes // PAGE) * PAGE)
+        attributes = _json_attributes(attributes or {}, path)
+        if not isinstance(dimension_name, str) or not dimension_name:
+            raise ValueError(f"array {path}: dimension_name must be a non-empty string, "
+                             f"got {dimension_name!r}")
+        _prepare_directory(path, io, overwrite)
+        doc = new_array_doc(numel, element, chunk_bytes // element.itemsize, attributes,
+                            dimension_name)
+        os.makedirs(os.path.join(path, "c"), exist_ok=True)
+        write_json_atomic(metadata_path(path), doc)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        array = cls(parse_array(path, doc), io, "r+")
+        if preallocate:
+            for i in range(array.nchunks):
+                io.preallocate(array.chunk_path(i), array.chunk_bytes)
+        return array
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, io: AsyncFileIO, mode: str = "r") -> "FlatArray":
+        """Open an existing array; ``mode`` is "r" (read only) or "r+" (read and write).
+
+        Raises NodeNotFoundError when there is no array at ``path``, MetadataError for a
+        corrupt zarr.json (naming it), ForeignArrayError for arrays the engine cannot serve.
+        """
+        if mode not in ("r", "r+"):
+            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+        path = os.fspath(path)
+        return cls(parse_array(path, read_node(path, "array")), io, mode)
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self._meta.path
+
+    @property
+    def numel(self) -> int:
+        """Elements in the array."""
+        return self._meta.numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._meta.element.torch_dtype
+
+    @property
+    def zarr_dtype(self) -> str:
+        """The zarr v3 ``data_type`` name."""
+        return self._meta.element.zarr_name
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self._meta.element.itemsize
+
+    @property
+    def chunk_elems(self) -> int:
+        """Elements per chunk file."""
+        return self._meta.chunk_elems
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per chunk file (every chunk file, the edge chunk included)."""
+        return self._meta.chunk_elems * self.itemsize
+
+    @property
+    def nchunks(self) -> int:
+        return -(-self.numel // self.chunk_elems)
+
+    @property
+    def fill_value(self):
+        """The value of never-written elements, as a Python bool, int or float."""
+        return dtypes.bytes_to_scalar(self._meta.element, self._meta.fill_bytes)
+
+    @property
+    def attributes(self) -> dict:
+        """A copy of zarr.json ``attributes``."""
+        return dict(self._meta.attributes)
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def direct(self) -> bool:
+        """True when the engine moves chunk bytes itself; False: zarr-python reads, no writes."""
+        return self._meta.direct_problem is None
+
+    @property
+    def foreign_reason(self) -> str | None:
+        """Why the array is not served directly (None when it is)."""
+        return self._meta.direct_problem
+
+    def chunk_path(self, i: int) -> str:
+        """File of chunk ``i`` (0 <= i < nchunks), e.g. ``<path>/c/3``."""
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.nchunks:
+            raise ValueError(f"array {self.path}: chunk index {i!r} outside [0, {self.nchunks})")
+        return os.path.join(self.path, self._meta.chunk_key(i))
+
+    def _chunk_dir(self) -> str:
+        return os.path.dirname(os.path.join(self.path, self._meta.chunk_key(0)))
+
+    def __repr__(self) -> str:
+        return (f"FlatArray({self.path!r}, numel={self.numel}, dtype={self.dtype}, "
+                f"chunk_bytes={self.chunk_bytes}, mode={self._mode!r})")
+
+    # -- reads ---------------------------------------------------------------------------------
+    def read_into(self, start: int, stop: int, out) -> IOFuture:
+        """Read elements [start, stop) into ``out``.
+
+        ``out``: a contiguous CPU tensor of the array's dtype with >= stop-start elements,
+        a PooledBuffer, or any writable buffer of >= (stop-start)*itemsize bytes; the
+        elements land at its start. Missing chunk files are filled with the fill value
+        here, without I/O. Raises ValueError for bad ranges or buffers and
+        TruncatedChunkError / ChunkSizeError for a chunk file of the wrong size; I/O errors
+        arrive through the future.
+        """
+        start, stop = self._check_range(start, stop)
+        nbytes = (stop - start) * self.itemsize
+        view = self._buffer_view(out, nbytes, "out", writable=True)
+        if nbytes == 0:
+            return IOFuture.completed(0)
+        if not self.direct:
+            return self._slow_read(start, stop, view)
+        plan = [(span, self._chunk_state(span[0], "read")) for span in self._spans(start, stop)]
+        futures = []
+        for (chunk, chunk_off, buf_off, length), present in plan:
+            piece = view[buf_off:buf_off + length]
+            if present:
+                futures.append(self._io.read(self.chunk_path(chunk), chunk_off, piece))
+            else:
+                _fill(piece, self._meta.fill_bytes)
+                futures.append(IOFuture.completed(length))
+        return IOFuture.gather(futures)
+
+    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements [start, stop) (default: all) as a new CPU tensor; waits for the I/O."""
+        stop = self.numel if stop is None else stop
+        start, stop = self._check_range(start, stop)
+        out = torch.empty(stop - start, dtype=self.dtype)
+        self.read_into(start, stop, out).result()
+        return out
+
+    # -- writes --------------------------------------------------------------------------------
+    def write_from(self, start: int, stop: int, src, *, sync: bool = False) -> IOFuture:
+        """Write elements [start, stop) from ``src`` (a CPU tensor of the array's dtype, a
+        PooledBuffer or any buffer of >= (stop-start)*itemsize bytes, read from its start).
+
+        Chunk files not yet present are created at full size first (preallocated, so the
+        untouched rest reads as zeros; for a foreign array with a non-zero fill value, the
+        fill is written). With ``sync`` the future completes after every touched chunk file
+        (and the chunk directory, when a file was created) is fdatasync'ed.
+        """
+        self._check_writable()
+        start, stop = self._check_range(start, stop)
+        nbytes = (stop - start) * self.itemsize
+        view = self._buffer_view(src, nbytes, "src", writable=False)
+        if nbytes == 0:
+            return IOFuture.completed(0)
+        spans = list(self._spans(start, stop))
+        created = False
+        for chunk, *_ in spans:
+            created |= self._ensure_chunk(chunk)
+        if created and sync:
+            fsync_dir(self._chunk_dir())
+        return IOFuture.gather([
+            self._io.write(self.chunk_path(chunk), chunk_off, view[buf_off:buf_off + length],
+                           sync=sync)
+            for chunk, chunk_off, buf_off, length in spans])
+
+    def write(self, start: int, tensor: torch.Tensor, *, sync: bool = False) -> None:
+        """Write ``tensor`` (flattened) at element ``start``; waits for the I/O."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"array {self.path}: write() takes a tensor, got {type(tensor).__name__}")
+        flat = tensor.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        self.write_from(start, start + flat.numel(), flat.contiguous(), sync=sync).result()
+
+    def sync(self) -> IOFuture:
+        """fdatasync every chunk file present (and the chunk directory): makes writes durable."""
+        futures = [self._io.sync(p) for p in map(self.chunk_path, range(self.nchunks))
+                   if os.path.exists(p)]
+        if os.path.isdir(self._chunk_dir()):
+            fsync_dir(self._chunk_dir())
+        return IOFuture.gather(futures)
+
+    def update_attributes(self, attributes: dict) -> None:
+        """Merge ``attributes`` into zarr.json ``attributes`` (like dict.update) and rewrite
+        zarr.json atomically (temp file, fsync, rename); every other field is kept as is."""
+        if self._mode != "r+":
+            raise ValueError(f"array {self.path} is open read-only (mode 'r'); "
+                             f"open it with mode='r+' to update attributes")
+        doc = dict(self._meta.doc)
+        doc["attributes"] = {**self._meta.attributes,
+                             **_json_attributes(attributes, self.path)}
+        write_json_atomic(self._meta.file, doc)
+        self._meta.doc = doc
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_range(self, start, stop) -> tuple[int, int]:
+        start = _count(start, "start", self.path)
+        stop = _count(stop, "stop", self.path)
+        if not start <= stop <= self.numel:
+            raise ValueError(f"array {self.path}: element range [{start}, {stop}) is not "
+                             f"within [0, {self.numel}]")
+        return start, stop
+
+    def _check_writable(self) -> None:
+        if self._mode != "r+":
+            raise ValueError(f"array {self.path} is open read-only (mode 'r'); "
+                             f"open it with mode='r+' to write")
+        if not self.direct:
+            raise ForeignArrayError(f"array {self.path}: cannot write: "
+                                    f"{self._meta.direct_problem}")
+
+    def _buffer_view(self, buf, nbytes: int, role: str, writable: bool) -> memoryview:
+        """A flat byte view of the first ``nbytes`` bytes of ``buf``, validated."""
+        where = f"array {self.path}: {role}"
+        if isinstance(buf, torch.Tensor):
+            if buf.dtype != self.dtype:
+                raise ValueError(f"{where} has dtype {buf.dtype}, the array holds {self.dtype}")
+            if buf.device.type != "cpu":
+                raise ValueError(f"{where} is on {buf.device}; file I/O needs a CPU tensor")
+            if not buf.is_contiguous():
+                raise ValueError(f"{where} is not contiguous")
+            if buf.numel() * self.itemsize < nbytes:
+                raise ValueError(f"{where} has {buf.numel()} elements; the range needs "
+                                 f"{nbytes // self.itemsize}")
+            view = as_byte_view(buf)
+        elif isinstance(buf, PooledBuffer):
+            if buf.nbytes < nbytes:
+                raise ValueError(f"{where} is a pooled buffer of {buf.nbytes} bytes; the range "
+                                 f"needs {nbytes}")
+            view = buf.memoryview(nbytes)
+        else:
+            try:
+                view = memoryview(buf)
+            except TypeError:
+                raise ValueError(f"{where} must be a tensor, a PooledBuffer or a buffer, got "
+                                 f"{type(buf).__name__}") from None
+            if not view.c_contiguous:
+                raise ValueError(f"{where} is not a contiguous buffer")
+            view = view.cast("B") if (view.format, view.ndim) != ("B", 1) else view
+            if len(view) < nbytes:
+                raise ValueError(f"{where} holds {len(view)} bytes; the range needs {nbytes}")
+        if writable and view.readonly:
+            raise ValueError(f"{where} is read-only")
+        return view[:nbytes]
+
+    def _spans(self, start: int, stop: int):
+        """(chunk index, byte offset in chunk, byte offset in buffer, bytes) per chunk touched."""
+        ce, size = self.chunk_elems, self.itemsize
+        pos = start
+        while pos < stop:
+            chunk = pos // ce
+            end = min((chunk + 1) * ce, stop)
+            yield chunk, (pos - chunk * ce) * size, (pos - start) * size, (end - pos) * size
+            pos = end
+
+    def _chunk_state(self, chunk: int, op: str) -> bool:
+        """True if chunk ``chunk`` has its file, False if absent; error if the size is wrong."""
+        path = self.chunk_path(chunk)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise FileIOError(e.errno, "stat", path) from e
+        if size < self.chunk_bytes:
+            raise TruncatedChunkError(
+                errno.ENODATA, op, path, 0, self.chunk_bytes,
+                detail=f"truncated chunk: the file has {size} bytes, every chunk of array "
+                       f"{self.path} has {self.chunk_bytes}")
+        if size > self.chunk_bytes:
+            raise ChunkSizeError(
+                errno.EINVAL, op, path, 0, self.chunk_bytes,
+                detail=f"chunk file has {size} bytes, more than the {self.chunk_bytes} of "
+                       f"every chunk of array {self.path}")
+        return True
+
+    def _ensure_chunk(self, chunk: int) -> bool:
+        """Create chunk ``chunk`` at full size if absent; True when it was created."""
+        with self._create_lock:
+            if self._chunk_state(chunk, "write"):
+                return False
+            path = self.chunk_path(chunk)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._io.preallocate(path, self.chunk_bytes)
+            if any(self._meta.fill_bytes):
+                # Only foreign arrays have a non-zero fill; the untouched rest of the chunk
+                # must read as that fill, not as preallocated zeros.
+                pattern = bytearray(self.chunk_bytes)
+                _fill(memoryview(pattern), self._meta.fill_bytes)
+                self._io.write(path, 0, pattern).result()
+            return True
+
+    def _slow_read(self, start: int, stop: int, view: memoryview) -> IOFuture:
+        """Read through zarr-python (compressed, sharded, big-endian arrays)."""
+        future = IOFuture()
+        future.set_running_or_notify_cancel()
+        try:
+            if self._zarr_array is None:
+                import zarr
+
+                self._zarr_array = zarr.open_array(self.path, mode="r")
+            data = np.asarray(self._zarr_array[start:stop])
+            expected = self._meta.element.numpy_dtype
+            if data.dtype != expected:
+                if data.dtype.newbyteorder("=") != expected.newbyteorder("="):
+                    raise ForeignArrayError(f"array {self.path}: zarr-python returned {data.dtype}"
+                                            f", expected {expected}")
+                data = data.astype(expected)  # byte-swap big-endian data
+            np.frombuffer(view, dtype=np.uint8)[:] = np.ascontiguousarray(data).view(np.uint8)
+            future.set_result(len(view))
+        except ForeignArrayError as e:
+            future.set_exception(e)
+        except Exception as e:  # zarr-python could not decode it: refuse, never guess
+            err = ForeignArrayError(f"array {self.path}: {self._meta.direct_problem}, and "
+                                    f"zarr-python could not read it either: {e}")
+            err.__cause__ = e
+            future.set_exception(err)
+        return future
+
+
+def _count(value, name: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"array {path}: {name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _json_attributes(attributes, path: str) -> dict:
+    """A copy of ``attributes``, checked to be a dict that strict JSON can hold."""
+    if not isinstance(attributes, dict):
+        raise ValueError(f"array {path}: attributes must be a dict, got "
+                         f"{type(attributes).__name__}")
+    try:
+        json.dumps(attributes, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"array {path}: attributes are not JSON-serialisable: {e}") from None
+    return dict(attributes)
+
+
+def _fill(view: memoryview, element_bytes: bytes) -> None:
+    """Fill ``view`` with repeats of one element's bytes, in torch (no Python loop)."""
+    if not len(view):
+        return
+    target = torch.frombuffer(view, dtype=torch.uint8)
+    if not any(element_bytes):
+        target.zero_()
+        return
+    pattern = torch.tensor(list(element_bytes), dtype=torch.uint8)
+    target.view(-1, len(element_bytes)).copy_(pattern)
+
+
+def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> None:
+    """Make ``path`` ready for a new array: absent or empty, or (overwrite) an old array removed."""
+    if not os.path.exists(path):
+        os.makedirs(path)
+        return
+    if not os.path.isdir(path):
+        raise FileExistsError(f"cannot create array at {path}: a file is in the way")
+    if os.path.exists(metadata_path(path)):
+        if not overwrite:
+            raise FileExistsError(f"cannot create array at {path}: a zarr node is already "
+                                  f"there (pass overwrite=True to replace an array)")
+        try:
+            old = FlatArray.open(path, io=io)
+            old_chunks = [old.chunk_path(i) for i in range(old.nchunks)]
+        except (MetadataError, ForeignArrayError) as e:
+            raise FileExistsError(f"cannot overwrite {path}: it is not an array the engine "
+                                  f"can replace ({e})") from None
+        for chunk in old_chunks:
+            io.forget(chunk)  # a cached descriptor would keep writing to the deleted file
+        shutil.rmtree(path)
+        os.makedirs(path)
+        return
+    if os.listdir(path):
+        raise FileExistsError(f"cannot create array at {path}: the directory is not empty "
+                              f"and holds no zarr.json")
+
+
+__all__ = ["ChunkSizeError", "DEFAULT_CHUNK_BYTES", "FlatArray", "ForeignArrayError",
+           "NodeNotFoundError", "TruncatedChunkError"]

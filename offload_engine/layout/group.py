@@ -1,0 +1,108 @@
+"""zarr v3 groups: a directory with ``zarr.json`` {"zarr_format": 3, "node_type": "group",
+"attributes": {...}}; its children are sub-directories that are nodes themselves.
+
+A store or checkpoint generation is a group; the layers above keep their manifest in its
+attributes, rewritten atomically so a reader sees the old or the new manifest, never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .metadata import (MetadataError, NodeNotFoundError, metadata_path, read_node,
+                       write_json_atomic)
+
+
+def _group_doc(attributes: dict) -> dict:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+
+
+def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
+                 exist_ok: bool = False) -> None:
+    """Create a group at ``path`` (parent directories too) with ``attributes``.
+
+    An existing group is an error unless ``exist_ok``; then it is kept, and its attributes
+    are replaced when ``attributes`` is given. An existing array is always an error.
+    """
+    path = os.fspath(path)
+    attributes = None if attributes is None else _json_attributes(attributes, path)
+    if os.path.exists(metadata_path(path)):
+        doc = read_node(path, "group")
+        if doc["node_type"] != "group":
+            raise FileExistsError(f"cannot create group at {path}: an array is there")
+        if not exist_ok:
+            raise FileExistsError(f"cannot create group at {path}: a group is already there")
+        if attributes is not None:
+            write_group_attributes(path, attributes)
+        return
+    os.makedirs(path, exist_ok=True)
+    write_json_atomic(metadata_path(path), _group_doc(attributes or {}))
+
+
+def read_group(path: str | os.PathLike) -> dict:
+    """The attributes of the group at ``path``.
+
+    Raises NodeNotFoundError when there is no node, MetadataError (naming zarr.json) when
+    the metadata is corrupt or describes an array.
+    """
+    doc = _read_group_doc(path)
+    return dict(doc.get("attributes", {}))
+
+
+def write_group_attributes(path: str | os.PathLike, attributes: dict) -> None:
+    """Replace the group's attributes, atomically (temp file, fsync, rename, fsync dir).
+
+    Other fields of zarr.json are kept as they are.
+    """
+    doc = _read_group_doc(path)
+    doc["attributes"] = _json_attributes(attributes, os.fspath(path))
+    write_json_atomic(metadata_path(path), doc)
+
+
+def list_children(path: str | os.PathLike) -> dict[str, str]:
+    """Direct children of the group: {name: "array" | "group"}, sorted by name.
+
+    Sub-directories without zarr.json are not nodes and are skipped; a child whose
+    zarr.json is corrupt raises MetadataError naming it.
+    """
+    _read_group_doc(path)
+    children = {}
+    with os.scandir(os.fspath(path)) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.is_dir() and os.path.exists(metadata_path(entry.path)):
+                children[entry.name] = read_node(entry.path)["node_type"]
+    return children
+
+
+def list_arrays(path: str | os.PathLike) -> list[str]:
+    """Names of the arrays directly under the group, sorted."""
+    return [name for name, kind in list_children(path).items() if kind == "array"]
+
+
+def list_groups(path: str | os.PathLike) -> list[str]:
+    """Names of the groups directly under the group, sorted."""
+    return [name for name, kind in list_children(path).items() if kind == "group"]
+
+
+def _read_group_doc(path) -> dict:
+    doc = read_node(path, "group")
+    if doc["node_type"] != "group":
+        raise MetadataError(f"{metadata_path(path)} describes an array, not a group")
+    return doc
+
+
+def _json_attributes(attributes, path: str) -> dict:
+    """A copy of ``attributes``, checked to be a dict that strict JSON can hold."""
+    if not isinstance(attributes, dict):
+        raise ValueError(f"group {path}: attributes must be a dict, got "
+                         f"{type(attributes).__name__}")
+    try:
+        json.dumps(attributes, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"group {path}: attributes are not JSON-serialisable: {e}") from None
+    return dict(attributes)
+
+
+__all__ = ["NodeNotFoundError", "create_group", "list_arrays", "list_children", "list_groups",
+           "read_group", "write_group_attributes"]

@@ -1,0 +1,284 @@
+"""zarr.json: reading, validating and atomically rewriting zarr v3 node metadata.
+
+A node (array or group) is a directory holding ``zarr.json``. This module turns an array's
+``zarr.json`` into :class:`ArrayMetadata`, deciding once, at open, whether the engine can
+move its chunk bytes itself ("direct I/O": one uncompressed little-endian ``bytes`` codec)
+or must leave decoding to zarr-python, or cannot serve the array at all. Anything it cannot
+vouch for is refused with an error that names the file and the feature, never guessed at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+
+from . import dtypes
+from .dtypes import ElementType
+
+ZARR_JSON = "zarr.json"
+PAGE = 4096  # bytes; chunk files of our arrays are a whole number of pages (O_DIRECT)
+
+_KNOWN_ARRAY_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
+                     "chunk_key_encoding", "fill_value", "codecs", "attributes",
+                     "storage_transformers", "dimension_names"}
+_REQUIRED_ARRAY_KEYS = ("shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                        "fill_value", "codecs")
+
+
+class MetadataError(ValueError):
+    """A zarr.json that is unreadable, not valid JSON, or not valid zarr v3 metadata."""
+
+
+class ForeignArrayError(ValueError):
+    """A valid zarr v3 array using a feature the engine does not serve (this way).
+
+    The message names the array and the feature, e.g. "codec 'zstd' is not supported for
+    direct I/O".
+    """
+
+
+class NodeNotFoundError(FileNotFoundError):
+    """No zarr node (no ``zarr.json``) at a path."""
+
+
+# -- reading and writing zarr.json -------------------------------------------------------------
+def metadata_path(node_path: str | os.PathLike) -> str:
+    return os.path.join(os.fspath(node_path), ZARR_JSON)
+
+
+def read_node(node_path: str | os.PathLike, kind: str = "node") -> dict:
+    """The parsed ``zarr.json`` of a zarr v3 node, checked for zarr_format 3 and a node_type.
+
+    ``kind`` ("array", "group" or "node") only words the not-found error.
+    Raises NodeNotFoundError, or MetadataError naming the file.
+    """
+    file = metadata_path(node_path)
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        where = "does not exist" if not os.path.exists(node_path) else "has no zarr.json"
+        raise NodeNotFoundError(f"no zarr {kind} at {os.fspath(node_path)!r}: the directory "
+                                f"{where} (expected {file})") from None
+    except OSError as e:
+        raise MetadataError(f"cannot read {file}: {e}") from e
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MetadataError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise MetadataError(f"{file} must hold a JSON object, found {type(doc).__name__}")
+    if "zarr_format" not in doc:
+        raise MetadataError(f"{file} has no 'zarr_format' key")
+    if doc["zarr_format"] != 3:
+        raise MetadataError(f"{file} has zarr_format {doc['zarr_format']!r}; only zarr v3 "
+                            f"(zarr_format 3) is supported")
+    if doc.get("node_type") not in ("array", "group"):
+        raise MetadataError(f"{file} has node_type {doc.get('node_type')!r}; expected "
+                            f"'array' or 'group'")
+    if not isinstance(doc.get("attributes", {}), dict):
+        raise MetadataError(f"{file}: 'attributes' must be a JSON object")
+    return doc
+
+
+def write_json_atomic(file: str | os.PathLike, doc: dict) -> None:
+    """Replace ``file`` with ``doc`` as JSON so readers see the old or the new file, never a mix.
+
+    Writes a temporary file in the same directory, fsyncs it, renames it over ``file`` and
+    fsyncs the directory so the rename itself survives a crash.
+    """
+    file = os.fspath(file)
+    directory = os.path.dirname(os.path.abspath(file))
+    text = json.dumps(doc, indent=2, allow_nan=False) + "\n"
+    tmp = os.path.join(directory, f".{os.path.basename(file)}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """fsync a directory so entries created or renamed in it are durable."""
+    fd = os.open(os.fspath(directory), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- array metadata ----------------------------------------------------------------------------
+@dataclass
+class ArrayMetadata:
+    """What the engine needs from an array's zarr.json.
+
+    ``direct_problem`` is None when the engine reads and writes the chunk files itself;
+    otherwise it says why not (reads then go through zarr-python, writes are refused).
+    """
+
+    path: str
+    numel: int  # elements
+    element: ElementType
+    chunk_elems: int  # elements per chunk
+    key_prefix: str  # chunk i lives at <path>/<key_prefix><i>
+    fill_json: object
+    fill_bytes: bytes  # one element, little endian
+    direct_problem: str | None
+    doc: dict = field(repr=False)  # the whole zarr.json, unknown-but-harmless keys included
+
+    @property
+    def attributes(self) -> dict:
+        return self.doc.get("attributes", {})
+
+    @property
+    def file(self) -> str:
+        return metadata_path(self.path)
+
+    def chunk_key(self, index: int) -> str:
+        return f"{self.key_prefix}{index}"
+
+
+def new_array_doc(numel: int, element: ElementType, chunk_elems: int, attributes: dict,
+                  dimension_name: str) -> dict:
+    """The zarr.json the engine writes for a 1-D flat array of ``numel`` elements."""
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [numel],
+        "data_type": element.zarr_name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_elems]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": dtypes.default_fill_json(element),
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "attributes": attributes,
+        "dimension_names": [dimension_name],
+        "storage_transformers": [],
+    }
+
+
+def parse_array(path: str, doc: dict) -> ArrayMetadata:
+    """Validate an array's zarr.json (as read by :func:`read_node`).
+
+    Raises MetadataError for metadata that is not valid zarr v3, and ForeignArrayError for
+    valid metadata the engine cannot serve at all (not 1-D, unsupported data type, storage
+    transformers, irregular grid, unknown chunk key encoding or extension field).
+    """
+    file = metadata_path(path)
+    if doc.get("node_type") != "array":
+        raise MetadataError(f"{file} describes a {doc.get('node_type')}, not an array")
+    for key in _REQUIRED_ARRAY_KEYS:
+        if key not in doc:
+            raise MetadataError(f"{file} is missing the required key {key!r}")
+    _check_extensions(path, doc)
+
+    shape = doc["shape"]
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise MetadataError(f"{file}: 'shape' must be a list of non-negative integers, "
+                            f"got {shape!r}")
+    if len(shape) != 1:
+        raise ForeignArrayError(f"array {path} is {len(shape)}-dimensional (shape {shape}); "
+                                f"only 1-D flat arrays are supported")
+    element = dtypes.from_zarr(doc["data_type"])
+    if element is None:
+        raise ForeignArrayError(f"array {path}: data type {doc['data_type']!r} is not "
+                                f"supported (supported: {', '.join(dtypes.ZARR_NAMES)})")
+    if doc.get("storage_transformers"):
+        raise ForeignArrayError(f"array {path}: storage transformers are not supported")
+    chunk_elems = _parse_chunk_grid(path, doc["chunk_grid"])
+    key_prefix = _parse_key_encoding(path, doc["chunk_key_encoding"])
+    try:
+        fill_bytes = dtypes.fill_to_bytes(element, doc["fill_value"])
+    except ValueError as e:
+        raise MetadataError(f"{file}: invalid fill_value: {e}") from None
+    return ArrayMetadata(path=path, numel=shape[0], element=element, chunk_elems=chunk_elems,
+                         key_prefix=key_prefix, fill_json=doc["fill_value"],
+                         fill_bytes=fill_bytes,
+                         direct_problem=_direct_problem(path, doc["codecs"], element),
+                         doc=doc)
+
+
+def _is_count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _check_extensions(path: str, doc: dict) -> None:
+    # zarr v3: an unknown field must be understood unless it says must_understand: false.
+    for key, value in doc.items():
+        if key in _KNOWN_ARRAY_KEYS:
+            continue
+        if isinstance(value, dict) and value.get("must_understand") is False:
+            continue
+        raise ForeignArrayError(f"array {path}: metadata field {key!r} is an extension the "
+                                f"engine does not understand")
+
+
+def _parse_chunk_grid(path: str, grid) -> int:
+    file = metadata_path(path)
+    if not isinstance(grid, dict) or "name" not in grid:
+        raise MetadataError(f"{file}: 'chunk_grid' must be an object with a name")
+    if grid["name"] != "regular":
+        raise ForeignArrayError(f"array {path}: chunk grid {grid['name']!r} is not supported "
+                                f"(only 'regular')")
+    shape = (grid.get("configuration") or {}).get("chunk_shape")
+    if not isinstance(shape, list) or len(shape) != 1 or not _is_count(shape[0]) \
+            or shape[0] == 0:
+        raise MetadataError(f"{file}: chunk_grid chunk_shape must be one positive integer "
+                            f"for a 1-D array, got {shape!r}")
+    return shape[0]
+
+
+def _parse_key_encoding(path: str, encoding) -> str:
+    file = metadata_path(path)
+    if not isinstance(encoding, dict) or "name" not in encoding:
+        raise MetadataError(f"{file}: 'chunk_key_encoding' must be an object with a name")
+    name = encoding["name"]
+    config = encoding.get("configuration") or {}
+    if name == "default":
+        sep = config.get("separator", "/")
+        if sep not in ("/", "."):
+            raise MetadataError(f"{file}: chunk key separator {sep!r} is not '/' or '.'")
+        return "c" + sep
+    if name == "v2":
+        # A 1-D v2 key is the bare decimal index whatever the separator.
+        return ""
+    raise ForeignArrayError(f"array {path}: chunk key encoding {name!r} is not supported")
+
+
+def _direct_problem(path: str, codecs, element: ElementType) -> str | None:
+    """None when chunk files are raw little-endian elements, else why they are not."""
+    file = metadata_path(path)
+    if not isinstance(codecs, list) or not codecs:
+        raise MetadataError(f"{file}: 'codecs' must be a non-empty list")
+    names = []
+    for codec in codecs:
+        name = codec if isinstance(codec, str) else (codec.get("name") if isinstance(codec, dict) else None)
+        if not isinstance(name, str):
+            raise MetadataError(f"{file}: every codec needs a name, got {codec!r}")
+        names.append(name)
+    for name in names:
+        if name != "bytes":
+            return f"codec {name!r} is not supported for direct I/O"
+    if len(names) > 1:
+        return "more than one 'bytes' codec is not supported for direct I/O"
+    config = {}
+    if isinstance(codecs[0], dict):
+        config = codecs[0].get("configuration") or {}
+    endian = config.get("endian")
+    if endian is None and element.itemsize > 1:
+        raise MetadataError(f"{file}: the bytes codec needs an 'endian' for the "
+                            f"{element.itemsize}-byte type {element.zarr_name}")
+    if endian == "big" and element.itemsize > 1:
+        return "big-endian bytes codec is not supported for direct I/O"
+    if endian not in (None, "little", "big"):
+        raise MetadataError(f"{file}: bytes codec endian {endian!r} is not 'little' or 'big'")
+    return None
