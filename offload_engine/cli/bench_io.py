@@ -1,0 +1,946 @@
+"""`offload-engine bench io`: the engine's disk throughput against fio, zarr-python and tensorstore.
+
+Each run writes SIZE bytes and reads them back with every method, the page cache evicted
+(fdatasync, then posix_fadvise DONTNEED, then a mincore check) before every read:
+
+- engine: a 1-D float32 ``FlatArray`` (zarr v3, CHUNK bytes per chunk file) written from and
+  read into a ring of reusable ``BufferPool`` buffers through ``AsyncFileIO(threads=QD,
+  queue_depth=QD, block_size=BS)``, O_DIRECT where the file system takes it. The array is
+  created and preallocated once, untimed (as fio lays out its file before it starts); each
+  write run overwrites it in place and its time includes ``fdatasync`` of every chunk file.
+- fio (``--ioengine=libaio --direct=1``, same block size and queue depth, ``--end_fsync=1``
+  on writes, which fio counts in its runtime) on one file of SIZE bytes; where fio is not
+  installed, ``odirect_loop``: ``os.pwritev``/``os.preadv`` in QD threads on one O_DIRECT
+  descriptor, with aligned mmap buffers.
+- zarr_python / tensorstore: each reads the engine's array whole into one preallocated,
+  pre-faulted host array, with the library's default settings. The write column writes a
+  new uncompressed array of the same shape and chunking from that host array
+  (zarr-python: plus ``fdatasync`` of every file, since it does not sync; tensorstore syncs
+  each chunk by default).
+
+Runs are interleaved: in run 1 every method writes, then every method reads, then run 2
+follows; the order of the methods rotates from run to run, so drift in a noisy disk hits
+every method alike. Figures are GB/s (1e9 bytes per second); the medians of the runs
+are reported, with every run's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import errno
+import itertools
+import json
+import math
+import mmap
+import os
+import platform
+import shutil
+import stat
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..io import ALIGN, AsyncFileIO, BufferPool
+from ..layout import FlatArray
+from ..units import format_bytes, parse_bytes
+
+MiB = 1 << 20
+ITEMSIZE = 4  # float32
+SPACE_MARGIN = 64 * MiB  # disk kept free beyond the test files
+PEERS = ("zarr_python", "tensorstore")
+
+
+class BenchError(ValueError):
+    """A problem the user can act on (bad directory, no space, bad sizes): one line, exit 2."""
+
+
+@dataclass
+class BenchConfig:
+    path: str
+    size: int = 2 << 30
+    block_size: int = 8 * MiB
+    queue_depth: int = 4
+    chunk_size: int = 64 * MiB
+    runs: int = 3
+    baseline: str = "auto"  # "auto" | "fio" | "odirect_loop"
+    keep: bool = False
+
+
+@dataclass
+class MethodResult:
+    notes: str = ""
+    skipped: str | None = None
+    resident: int = 0  # most bytes found in the page cache right before a read
+    write_runs: list[float] = field(default_factory=list)  # GB/s
+    read_runs: list[float] = field(default_factory=list)
+    write_cpu: list[float] = field(default_factory=list)  # CPU seconds
+    read_cpu: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        out = {"write_gbps": _median(self.write_runs), "read_gbps": _median(self.read_runs),
+               "write_runs": [round(x, 3) for x in self.write_runs],
+               "read_runs": [round(x, 3) for x in self.read_runs],
+               "write_cpu_s": _median(self.write_cpu), "read_cpu_s": _median(self.read_cpu),
+               "cached_before_read_bytes": self.resident, "notes": self.notes}
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser, *, size_default: str = "2GiB",
+                  runs_default: int = 3) -> None:
+    p.add_argument("--path", required=True, metavar="DIR",
+                   help="existing directory on the disk to measure; a temporary folder is "
+                        "made in it and removed afterwards")
+    p.add_argument("--size", default=parse_bytes(size_default), type=_size_arg,
+                   help=f"bytes moved per run and method (default {size_default})")
+    p.add_argument("--block-size", default=8 * MiB, type=_size_arg,
+                   help="bytes per I/O request, a multiple of 4096 (default 8MiB)")
+    p.add_argument("--queue-depth", default=4, type=_positive_int, metavar="N",
+                   help="requests in flight; also the engine's I/O threads (default 4)")
+    p.add_argument("--chunk-size", default=64 * MiB, type=_size_arg,
+                   help="bytes per chunk file of the zarr array (default 64MiB)")
+    p.add_argument("--runs", default=runs_default, type=_positive_int,
+                   help=f"runs per method; medians are reported (default {runs_default})")
+    p.add_argument("--baseline", choices=("auto", "fio", "odirect_loop"), default="auto",
+                   help="device reference: fio when installed (auto), or a plain O_DIRECT "
+                        "loop in Python")
+    p.add_argument("--keep", action="store_true",
+                   help="leave the benchmark folder (engine array, baseline file) in DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "io", help="disk throughput: engine vs fio, zarr-python and tensorstore",
+        description="Write SIZE bytes through the engine (fsync counted) and read them back "
+                    "with the page cache evicted; move the same bytes with fio at the same "
+                    "block size and queue depth; read the same zarr array with zarr-python "
+                    "and tensorstore. Prints median GB/s per method and the engine's ratios.")
+    add_arguments(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_benchmark(config_from_args(args), progress=_progress(args))
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> BenchConfig:
+    values = dict(path=args.path, size=args.size, block_size=args.block_size,
+                  queue_depth=args.queue_depth, chunk_size=args.chunk_size, runs=args.runs,
+                  baseline=getattr(args, "baseline", "auto"), keep=getattr(args, "keep", False))
+    values.update(overrides)
+    return BenchConfig(**values)
+
+
+def _progress(args):
+    if not getattr(args, "debug", False):
+        return None
+    return lambda line: print(line, file=sys.stderr, flush=True)
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# the benchmark
+# --------------------------------------------------------------------------------------------
+def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
+    """Run every method ``cfg.runs`` times; returns the JSON-ready result.
+
+    ``progress``: optional callable taking one line of text per measurement.
+    """
+    say = progress or (lambda line: None)
+    block_size = check_config(cfg)
+    baseline = _choose_baseline(cfg.baseline)
+    # the engine array, the baseline file, the zarr-python and the tensorstore arrays
+    workdir = make_workdir(cfg.path, 4 * cfg.size)
+    try:
+        return _run_in(cfg, block_size, baseline, workdir, say)
+    finally:
+        if cfg.keep:
+            say(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def check_config(cfg: BenchConfig) -> int:
+    """Validate the sizes; returns the block size in use (capped at SIZE)."""
+    for name, value in (("--size", cfg.size), ("--block-size", cfg.block_size),
+                        ("--chunk-size", cfg.chunk_size)):
+        if value <= 0 or value % ALIGN:
+            raise BenchError(f"{name} must be a positive multiple of {ALIGN} bytes, got {value}")
+    block_size = min(cfg.block_size, cfg.size)
+    if cfg.size % block_size:
+        raise BenchError(f"--size ({cfg.size} bytes) must be a multiple of --block-size "
+                         f"({block_size} bytes)")
+    if cfg.runs < 1 or cfg.queue_depth < 1:
+        raise BenchError("--runs and --queue-depth must be at least 1")
+    return block_size
+
+
+def make_workdir(path: str, need_bytes: int) -> str:
+    """A new temporary folder in ``path``, after checking it is a directory with room for
+    ``need_bytes`` (plus a margin). Raises BenchError with one line otherwise."""
+    where = os.path.abspath(path)
+    try:
+        st = os.stat(where)
+    except OSError as e:
+        raise BenchError(f"{path}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise BenchError(f"{path}: not a directory")
+    need = need_bytes + SPACE_MARGIN
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise BenchError(f"{path}: {format_bytes(free)} free; the benchmark needs "
+                         f"{format_bytes(need)} (4 x --size plus {format_bytes(SPACE_MARGIN)})")
+    try:
+        return tempfile.mkdtemp(prefix="offload-engine-bench-", dir=where)
+    except OSError as e:
+        raise BenchError(f"{path}: cannot create a folder there: {e.strerror or e}") from None
+
+
+def _choose_baseline(choice: str) -> str:
+    if choice == "odirect_loop":
+        return "odirect_loop"
+    if shutil.which("fio"):
+        return "fio"
+    if choice == "fio":
+        raise BenchError("--baseline fio: fio is not installed (apt-get install fio); "
+                         "or use --baseline odirect_loop")
+    return "odirect_loop"
+
+
+def _run_in(cfg: BenchConfig, block_size: int, baseline: str, workdir: str, say) -> dict:
+    import torch
+
+    qd = cfg.queue_depth
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = _loadavg()
+    direct_ok = probe_direct(workdir)
+    results: dict[str, MethodResult] = {}
+    notes: list[str] = []
+    io = AsyncFileIO(threads=qd, queue_depth=qd, block_size=block_size)
+    engine = None
+    try:
+        # -- setup, untimed: engine array created and preallocated, buffers filled ----------
+        array = FlatArray.create(os.path.join(workdir, "engine.zarr"), cfg.size // ITEMSIZE,
+                                 torch.float32, io=io, chunk_bytes=cfg.chunk_size,
+                                 preallocate=True,
+                                 attributes={"written_by": "offload-engine bench io"})
+        engine = EngineBench(array, io, block_size)
+        benches = [("engine", engine)]
+        if baseline == "fio":
+            base = FioBench(os.path.join(workdir, "fio.dat"), cfg.size, block_size, qd, direct_ok)
+        else:
+            base = ODirectLoopBench(os.path.join(workdir, "odirect_loop.dat"), cfg.size,
+                                    block_size, qd, direct_ok)
+        benches.append((baseline, base))
+        host, why = _host_array(cfg.size)
+        for name, cls in (("zarr_python", ZarrPythonBench), ("tensorstore", TensorstoreBench)):
+            if host is None:
+                results[name] = MethodResult(skipped=why)
+                continue
+            try:
+                benches.append((name, cls(array, workdir, host, engine.expected_chunk)))
+            except ImportError as e:
+                results[name] = MethodResult(skipped=f"not installed ({e})")
+        for name, bench in benches:
+            results[name] = MethodResult(notes=bench.describe())
+
+        # -- timed runs: in each run every method writes, then every method reads (so each
+        # read finds data written a while before, never just now); the order of the
+        # methods rotates from run to run so that no method always follows the same one --
+        for r in range(cfg.runs):
+            k = r % len(benches)
+            order = benches[k:] + benches[:k]
+            for column in ("write", "read"):
+                for name, bench in order:
+                    wall, cpu = getattr(bench, column)()
+                    gbps = cfg.size / wall / 1e9
+                    getattr(results[name], f"{column}_runs").append(gbps)
+                    getattr(results[name], f"{column}_cpu").append(cpu)
+                    say(f"run {r + 1}/{cfg.runs} {name} {column}: {gbps:.3f} GB/s, "
+                        f"{cpu:.2f} CPU s")
+        for name, bench in benches:
+            results[name].resident = bench.resident
+            bench.cleanup()
+            if bench.resident:
+                notes.append(f"{name}: {bench.resident} bytes were still in the page cache "
+                             f"before a read (eviction incomplete)")
+
+        engine_direct = bool(io.uses_direct(array.chunk_path(0)))
+        if not engine_direct:
+            notes.append("O_DIRECT was not in effect for the engine: buffered I/O, page "
+                         "cache evicted before each read")
+        if not direct_ok:
+            notes.append("the file system refuses O_DIRECT: the baseline ran buffered, page "
+                         "cache evicted before each read")
+        return {
+            "size_bytes": cfg.size,
+            "block_size": block_size,
+            "queue_depth": qd,
+            "chunk_bytes": array.chunk_bytes,
+            "runs": cfg.runs,
+            "direct": engine_direct,
+            "baseline": baseline,
+            "fio_args": base.args if baseline == "fio" else None,
+            "methods": {name: results[name].as_dict()
+                        for name in ("engine", baseline, *PEERS) if name in results},
+            "ratios": _ratios(results, baseline),
+            "engine": {
+                "threads": qd,
+                "ring_buffers": engine.nslots,
+                "ring_bytes": engine.nslots * array.chunk_bytes,
+                "direct_pieces": engine.direct_pieces,
+                "buffered_pieces": engine.buffered_pieces,
+            },
+            "environment": _environment(workdir, baseline, started, load_before),
+            "notes": notes,
+        }
+    finally:
+        io.close()  # first: its worker threads may still hold views of the ring's buffers
+        if engine is not None:
+            engine.close()
+
+
+def _ratios(results: dict[str, MethodResult], baseline: str) -> dict:
+    def ratio(other: str, column: str):
+        a = _median(getattr(results["engine"], f"{column}_runs"))
+        o = results.get(other)
+        b = _median(getattr(o, f"{column}_runs")) if o is not None else None
+        return round(a / b, 3) if a and b else None
+
+    return {
+        f"engine_vs_{baseline}_write": ratio(baseline, "write"),
+        f"engine_vs_{baseline}_read": ratio(baseline, "read"),
+        "engine_vs_zarr_python_read": ratio("zarr_python", "read"),
+        "engine_vs_tensorstore_read": ratio("tensorstore", "read"),
+        "engine_vs_zarr_python_write": ratio("zarr_python", "write"),
+        "engine_vs_tensorstore_write": ratio("tensorstore", "write"),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def _host_array(nbytes: int):
+    """A page-aligned float32 host array of ``nbytes``, every page touched (page faults are
+    not timed) and filled with non-zero bytes; (None, reason) when memory is short."""
+    try:
+        import psutil
+
+        avail = psutil.virtual_memory().available
+    except Exception:  # psutil absent or /proc unreadable: try anyway
+        avail = None
+    if avail is not None and nbytes > 0.75 * avail:
+        return None, (f"reading the array whole needs {format_bytes(nbytes)} of host memory; "
+                      f"{format_bytes(avail)} available (use a smaller --size)")
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    host = np.frombuffer(region, dtype=np.float32)
+    fill_pattern(host.view(np.uint8), seed=1 << 20)
+    return host, None
+
+
+# --------------------------------------------------------------------------------------------
+# data, page cache, O_DIRECT
+# --------------------------------------------------------------------------------------------
+def fill_pattern(dst: np.ndarray, seed: int) -> None:
+    """Fill the uint8 array ``dst`` with non-zero bytes that depend on ``seed`` and position
+    (cheap to regenerate for checks; never equal to the fill value)."""
+    step = 1 << 22
+    for off in range(0, len(dst), step):
+        n = min(step, len(dst) - off)
+        words = np.arange(off // 4, off // 4 + -(-n // 4), dtype=np.uint32)
+        words *= np.uint32(2654435761)
+        words ^= np.uint32((seed * 40503 + 0x9E3779B9) & 0xFFFFFFFF)
+        words |= np.uint32(0x01010101)  # no zero byte anywhere
+        dst[off:off + n] = words.view(np.uint8)[:n]
+
+
+def evict_and_check(paths) -> int:
+    """``evict`` then ``resident_bytes``: what is still cached (should be 0)."""
+    paths = list(paths)
+    evict(paths)
+    return resident_bytes(paths)
+
+
+def evict(paths) -> None:
+    """Drop files from the page cache: fdatasync (DONTNEED skips dirty pages), then
+    posix_fadvise(POSIX_FADV_DONTNEED). Directories are walked."""
+    for path in paths:
+        if os.path.isdir(path):
+            for root, _dirs, files in os.walk(path):
+                evict(os.path.join(root, f) for f in files)
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_bytes(paths) -> int:
+    """Bytes of ``paths`` (files; directories are walked) now in the page cache (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    total = 0
+    for path in paths:
+        if os.path.isdir(path):
+            total += resident_bytes(os.path.join(root, f)
+                                    for root, _dirs, files in os.walk(path) for f in files)
+            continue
+        size = os.path.getsize(path)
+        if not size:
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), "mmap failed", path)
+            try:
+                vec = (ctypes.c_ubyte * (-(-size // page)))()
+                if libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), "mincore failed", path)
+                total += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return total
+
+
+def sync_tree(path: str) -> None:
+    """fdatasync every file under ``path`` and fsync every directory in it."""
+    for root, _dirs, files in os.walk(path):
+        for name in files + ["."]:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd) if name == "." else os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+
+def probe_direct(directory: str) -> bool:
+    """Whether the file system under ``directory`` takes O_DIRECT (open plus a 4 KiB write)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = os.path.join(directory, ".direct-probe")
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise
+        try:
+            os.pwritev(fd, [buf], 0)
+            return True
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        buf.close()
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# methods: describe(), write() and read() (each returns seconds), cleanup()
+# --------------------------------------------------------------------------------------------
+class EngineBench:
+    """The FlatArray, chunk by chunk through a ring of pooled buffers.
+
+    Chunk i is written from, and read into, ring slot i % nslots. There are enough slots
+    that queue-depth pieces are always queued at AsyncFileIO while the oldest chunk's
+    request completes: ceil(QD * piece / chunk) + 1 (at least 2, at most one per chunk).
+    """
+
+    def __init__(self, array: FlatArray, io: AsyncFileIO, block_size: int):
+        self.array = array
+        self.io = io
+        chunk = array.chunk_bytes
+        piece = min(block_size, chunk)
+        self.nslots = min(array.nchunks, max(2, math.ceil(io.queue_depth * piece / chunk) + 1))
+        self.pool = BufferPool(self.nslots * chunk)
+        self.ring = [self.pool.acquire(chunk) for _ in range(self.nslots)]
+        for slot, buf in enumerate(self.ring):
+            fill_pattern(buf.bytes.numpy(), seed=slot)
+        self.direct_pieces = 0
+        self.buffered_pieces = 0
+        self.resident = 0  # most bytes of the file(s) found cached just before a read
+
+    def describe(self) -> str:
+        a = self.array
+        return (f"FlatArray float32, {a.nchunks} chunk file(s) of {format_bytes(a.chunk_bytes)}, "
+                f"preallocated once and overwritten in place; ring of {self.nslots} pooled "
+                f"buffers; AsyncFileIO threads = queue depth = {self.io.queue_depth}, pieces "
+                f"of {format_bytes(self.io.block_size)}; write time includes fdatasync of "
+                f"every chunk file")
+
+    def expected_chunk(self, i: int) -> np.ndarray:
+        """The bytes chunk ``i`` holds after a write run (edge chunk: its leading part)."""
+        n = min(self.array.chunk_bytes, self.array.numel * ITEMSIZE - i * self.array.chunk_bytes)
+        out = np.empty(self.array.chunk_bytes, dtype=np.uint8)
+        fill_pattern(out, seed=i % self.nslots)
+        return out[:n]
+
+    def _pump(self, write: bool) -> None:
+        a, ce = self.array, self.array.chunk_elems
+        pending = collections.deque()
+        for i in range(a.nchunks):
+            if len(pending) == self.nslots:
+                pending.popleft().result()
+            start, stop = i * ce, min((i + 1) * ce, a.numel)
+            buf = self.ring[i % self.nslots]
+            move = a.write_from if write else a.read_into
+            pending.append(move(start, stop, buf))
+        while pending:
+            pending.popleft().result()
+
+    def write(self) -> tuple[float, float]:
+        self.io.reset_stats()
+        with Stopwatch() as sw:
+            self._pump(write=True)
+            self.array.sync().result()
+        self._count()
+        return sw.wall, sw.cpu
+
+    def read(self) -> tuple[float, float]:
+        self.resident = max(self.resident, evict_and_check([self.array.path]))
+        for buf in self.ring:  # the check below then sees bytes that came from the disk
+            buf.bytes.zero_()
+        self.io.reset_stats()
+        with Stopwatch() as sw:
+            self._pump(write=False)
+        self._count()
+        for slot, buf in enumerate(self.ring):  # holds the last chunk read into this slot
+            last = max(i for i in range(self.array.nchunks) if i % self.nslots == slot)
+            expect = self.expected_chunk(last)
+            if not np.array_equal(buf.bytes.numpy()[:len(expect)], expect):
+                raise RuntimeError(f"engine read back wrong bytes from "
+                                   f"{self.array.chunk_path(last)}")
+        return sw.wall, sw.cpu
+
+    def _count(self) -> None:
+        self.direct_pieces += self.io.stats.direct_pieces
+        self.buffered_pieces += self.io.stats.buffered_pieces
+
+    def cleanup(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for buf in self.ring:
+            buf.release()
+        self.ring = []
+        self.pool.close()
+
+
+class FioBench:
+    """fio, one job, libaio at the engine's queue depth and block size, on one file."""
+
+    def __init__(self, path: str, size: int, block_size: int, qd: int, direct: bool):
+        self.path = path
+        self.size = size
+        self.resident = 0
+        self.common = [f"--filename={path}", f"--size={size}", f"--bs={block_size}",
+                       f"--iodepth={qd}", f"--direct={int(direct)}", "--ioengine=libaio",
+                       "--output-format=json"]
+        self.args = {"write": ["fio", "--name=write", *self.common, "--rw=write", "--end_fsync=1"],
+                     "read": ["fio", "--name=read", *self.common, "--rw=read"]}
+
+    def describe(self) -> str:
+        return ("fio " + " ".join(a for a in self.common if not a.startswith("--filename"))
+                + "; write adds --end_fsync=1 (counted in fio's runtime); bw_bytes")
+
+    def _run(self, rw: str) -> tuple[float, float]:
+        proc = subprocess.run(self.args[rw], capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+            raise BenchError(f"fio --rw={rw} failed (exit {proc.returncode}): {last}")
+        text = proc.stdout
+        try:
+            doc = json.loads(text[text.index("{"):])
+            job = doc["jobs"][0]
+            part = job[rw]
+            bw, moved = part["bw_bytes"], part["io_bytes"]
+        except (ValueError, KeyError, IndexError) as e:
+            raise BenchError(f"fio --rw={rw}: unreadable JSON output ({e})") from None
+        if job.get("error"):
+            raise BenchError(f"fio --rw={rw}: job error {job['error']}")
+        if moved != self.size or bw <= 0:
+            raise BenchError(f"fio --rw={rw} moved {moved} bytes of {self.size}")
+        # fio's CPU figures are percentages of the job's run time
+        cpu_share = (job.get("usr_cpu", 0.0) + job.get("sys_cpu", 0.0)) / 100
+        cpu = cpu_share * job.get("job_runtime", 0) / 1e3
+        return self.size / bw, cpu
+
+    def write(self) -> tuple[float, float]:
+        return self._run("write")
+
+    def read(self) -> tuple[float, float]:
+        self.resident = max(self.resident, evict_and_check([self.path]))
+        return self._run("read")
+
+    def cleanup(self) -> None:
+        pass
+
+
+class ODirectLoopBench:
+    """The plain device loop: QD threads, each with its own aligned buffer, taking the next
+    block-size slot of one O_DIRECT file in turn (os.pwritev / os.preadv release the GIL)."""
+
+    def __init__(self, path: str, size: int, block_size: int, qd: int, direct: bool):
+        self.path, self.size, self.bs, self.qd, self.direct = path, size, block_size, qd, direct
+        self.resident = 0
+        self.bufs = [mmap.mmap(-1, block_size) for _ in range(qd)]
+        for k, buf in enumerate(self.bufs):
+            fill_pattern(np.frombuffer(buf, dtype=np.uint8), seed=100 + k)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)  # laid out untimed, as fio does
+        finally:
+            os.close(fd)
+
+    def describe(self) -> str:
+        return (f"os.pwritev/os.preadv in {self.qd} threads, {format_bytes(self.bs)} blocks, "
+                f"{'O_DIRECT' if self.direct else 'buffered'}, one file; write time includes "
+                f"fdatasync")
+
+    def _go(self, write: bool) -> tuple[float, float]:
+        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC
+        if self.direct:
+            flags |= os.O_DIRECT
+        fd = os.open(self.path, flags)
+        nblocks = self.size // self.bs
+        counter = itertools.count()
+        errors: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            view = memoryview(self.bufs[k])
+            try:
+                while not errors:
+                    i = next(counter)  # atomic under the GIL
+                    if i >= nblocks:
+                        return
+                    off, done = i * self.bs, 0
+                    while done < self.bs:
+                        if write:
+                            n = os.pwritev(fd, [view[done:]], off + done)
+                        else:
+                            n = os.preadv(fd, [view[done:]], off + done)
+                        if n <= 0:
+                            raise OSError(errno.EIO, f"{'write' if write else 'read'} moved no "
+                                                     f"bytes at offset {off + done} of {self.path}")
+                        done += n
+            except BaseException as e:
+                errors.append(e)
+
+        try:
+            with Stopwatch() as sw:
+                threads = [threading.Thread(target=worker, args=(k,)) for k in range(self.qd)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if errors:
+                    raise errors[0]
+                if write:
+                    os.fdatasync(fd)
+            return sw.wall, sw.cpu
+        finally:
+            os.close(fd)
+
+    def write(self) -> tuple[float, float]:
+        return self._go(write=True)
+
+    def read(self) -> tuple[float, float]:
+        self.resident = max(self.resident, evict_and_check([self.path]))
+        return self._go(write=False)
+
+    def cleanup(self) -> None:
+        for buf in self.bufs:
+            buf.close()
+        self.bufs = []
+
+
+class _PeerBench:
+    """Shared by the zarr-python and tensorstore methods: reads of the engine's array into
+    ``host``; writes of ``host`` into a new array of the same shape and chunking."""
+
+    name = ""
+
+    def __init__(self, array: FlatArray, workdir: str, host: np.ndarray, expected_chunk):
+        self.src = array.path
+        self.numel = array.numel
+        self.chunk_elems = array.chunk_elems
+        self.nchunks = array.nchunks
+        self.dst = os.path.join(workdir, f"{self.name}.zarr")
+        self.host = host
+        self.expected_chunk = expected_chunk
+        self.resident = 0
+
+    def _checked_chunks(self) -> list[int]:
+        return sorted({0, self.nchunks // 2, self.nchunks - 1})
+
+    def _chunk_bytes(self, i: int) -> np.ndarray:
+        b = self.host.view(np.uint8)
+        cb = self.chunk_elems * ITEMSIZE
+        return b[i * cb:min((i + 1) * cb, len(b))]
+
+    def read(self) -> tuple[float, float]:
+        self.resident = max(self.resident, evict_and_check([self.src]))
+        for i in self._checked_chunks():
+            self._chunk_bytes(i)[:] = 0
+        handle = self._open_source()
+        with Stopwatch() as sw:
+            self._read_into(handle)
+        for i in self._checked_chunks():
+            if not np.array_equal(self._chunk_bytes(i), self.expected_chunk(i)):
+                raise RuntimeError(f"{self.name} read different bytes from chunk {i} of {self.src}")
+        return sw.wall, sw.cpu
+
+    def write(self) -> tuple[float, float]:
+        handle = self._create_destination()  # replaces the previous run's array, untimed
+        with Stopwatch() as sw:
+            self._write_from(handle)
+        return sw.wall, sw.cpu
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dst, ignore_errors=True)
+
+
+class ZarrPythonBench(_PeerBench):
+    name = "zarr_python"
+
+    def __init__(self, *a):
+        import zarr
+        from zarr.core.buffer.cpu import NDBuffer
+
+        self.zarr, self.NDBuffer = zarr, NDBuffer
+        super().__init__(*a)
+
+    def describe(self) -> str:
+        cfg = self.zarr.config
+        return (f"zarr-python {self.zarr.__version__} defaults (async.concurrency="
+                f"{cfg.get('async.concurrency')}); read: get_basic_selection(out=) of the whole "
+                f"array; write: create_array(compressors=None) then arr[:] = data, then "
+                f"fdatasync of every file")
+
+    def _open_source(self):
+        return self.zarr.open_array(self.src, mode="r")
+
+    def _read_into(self, arr) -> None:
+        arr.get_basic_selection(slice(None), out=self.NDBuffer.from_numpy_array(self.host))
+
+    def _create_destination(self):
+        return self.zarr.create_array(
+            store=self.dst, shape=(self.numel,), chunks=(self.chunk_elems,), dtype="float32",
+            compressors=None, filters=None, fill_value=0.0, dimension_names=["element"],
+            config={"write_empty_chunks": True}, overwrite=True)
+
+    def _write_from(self, arr) -> None:
+        arr[:] = self.host
+        sync_tree(self.dst)  # zarr-python writes through the page cache and never syncs
+
+
+class TensorstoreBench(_PeerBench):
+    name = "tensorstore"
+
+    def __init__(self, *a):
+        import tensorstore
+
+        self.ts = tensorstore
+        super().__init__(*a)
+
+    def describe(self) -> str:
+        from importlib.metadata import version
+
+        return (f"tensorstore {version('tensorstore')} zarr3 driver, file kvstore, default "
+                f"context (file_io_sync on); read: ts.array(out).write(store) of the whole "
+                f"array; write: store.write(data), uncompressed")
+
+    def _spec(self, path: str) -> dict:
+        return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
+
+    def _open_source(self):
+        return self.ts.open(self._spec(self.src), open=True, read=True).result()
+
+    def _read_into(self, store) -> None:
+        self.ts.array(self.host, write=True, copy=False).write(store).result()
+
+    def _create_destination(self):
+        spec = self._spec(self.dst)
+        spec["metadata"] = {
+            "shape": [self.numel], "data_type": "float32", "fill_value": 0.0,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [self.chunk_elems]}},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            "dimension_names": ["element"],
+        }
+        return self.ts.open(spec, create=True, delete_existing=True).result()
+
+    def _write_from(self, store) -> None:
+        store.write(self.host).result()
+
+
+# --------------------------------------------------------------------------------------------
+# environment and output
+# --------------------------------------------------------------------------------------------
+class Stopwatch:
+    """Wall seconds and CPU seconds (user + system, every thread of this process and its
+    waited-for children) of a ``with`` block."""
+
+    def __enter__(self) -> "Stopwatch":
+        self._cpu0 = _cpu_seconds()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self._t0
+        self.cpu = _cpu_seconds() - self._cpu0
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _filesystem(path: str) -> str | None:
+    """File system type and device of the mount holding ``path`` (from /proc/mounts)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for dev, mnt, fstype, *_ in mounts:
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and \
+                (best is None or len(mnt) > len(best[1])):
+            best = (dev, mnt, fstype)
+    return f"{best[2]} on {best[0]} (mounted at {best[1]})" if best else None
+
+
+def _environment(workdir: str, baseline: str, started, load_before) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def pkg(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    fio_version = None
+    if baseline == "fio":
+        try:
+            fio_version = subprocess.run(["fio", "--version"], capture_output=True,
+                                         text=True).stdout.strip()
+        except OSError:
+            pass
+    return {
+        "date": started.isoformat(timespec="seconds"),
+        "path": os.path.dirname(workdir),
+        "filesystem": _filesystem(workdir),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
+        "python": platform.python_version(),
+        "versions": {"offload-engine": pkg("offload-engine"), "zarr": pkg("zarr"),
+                     "tensorstore": pkg("tensorstore"), "numpy": pkg("numpy"),
+                     "fio": fio_version},
+    }
+
+
+def format_table(result: dict) -> str:
+    """The human-readable report of ``run_benchmark``'s result."""
+    env = result["environment"]
+    lines = [
+        f"I/O benchmark in {env['path']}: {format_bytes(result['size_bytes'])} per run, "
+        f"block {format_bytes(result['block_size'])}, queue depth {result['queue_depth']}, "
+        f"chunk {format_bytes(result['chunk_bytes'])}, {result['runs']} run(s), medians; "
+        f"O_DIRECT {'on' if result['direct'] else 'off'}",
+        "",
+        f"{'method':<14}{'write GB/s':>11}{'read GB/s':>11}{'CPU s w/r':>13}   "
+        f"runs GB/s (write | read)",
+    ]
+
+    def num(x):
+        return f"{x:.3f}" if x is not None else "-"
+
+    for name, m in result["methods"].items():
+        if m.get("skipped"):
+            lines.append(f"{name:<14}{'-':>11}{'-':>11}{'-':>13}   skipped: {m['skipped']}")
+            continue
+        runs = " ".join(num(x) for x in m["write_runs"]) + " | " + \
+            " ".join(num(x) for x in m["read_runs"])
+        cpu = f"{m['write_cpu_s']:.2f}/{m['read_cpu_s']:.2f}"
+        lines.append(f"{name:<14}{num(m['write_gbps']):>11}{num(m['read_gbps']):>11}"
+                     f"{cpu:>13}   {runs}")
+    lines.append("")
+    lines.append("engine / other (above 1: engine faster):")
+    for key, value in result["ratios"].items():
+        label = key.removeprefix("engine_vs_").rsplit("_", 1)
+        lines.append(f"  {label[0]:<13} {label[1]:<6} {('%.2fx' % value) if value else '-'}")
+    if result["fio_args"]:
+        lines.append("")
+        for rw in ("write", "read"):
+            lines.append(f"fio {rw}: " + " ".join(result["fio_args"][rw]))
+    for note in result["notes"]:
+        lines.append(f"note: {note}")
+    lines.append(f"load average before/after: {env['loadavg_before']} / {env['loadavg_after']}")
+    return "\n".join(lines)
