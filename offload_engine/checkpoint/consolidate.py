@@ -1,0 +1,467 @@
+"""Stream a checkpoint's tensors into Hugging Face sharded safetensors with bounded memory.
+
+The consolidator only knows the ``TensorSource`` interface: names, shapes, dtypes, tied
+aliases, and ranged reads of a tensor's elements. DeepSpeed ZeRO checkpoints are one
+source (``checkpoint.deepspeed``); our own checkpoint format plugs in the same way.
+
+Data flow: the whole output (headers, offsets, file sizes) is planned from metadata first
+(``safetensors_writer``). The data regions are then cut into windows of at most
+``window_bytes``; a window never spans two files, and a large tensor spans several windows.
+A reader thread fills window k+1 (source reads, then the dtype cast) while the main thread
+writes window k at its offset into the preallocated file. Buffers come from one
+``BufferPool`` of ``depth + 4`` windows (queued, being filled, being written, staging), so peak memory is
+independent of the model's size and of the tensor sizes. Files are written into a
+temporary folder inside the output folder and renamed into place when all are complete
+and synced, so a failed run never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
+
+import torch
+
+from offload_engine.io import AsyncFileIO, BufferPool, PooledBuffer, round_up
+
+from .safetensors_writer import (DTYPE_CODES, INDEX_FILE, OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor,
+                                 ShardPlan, element_size, index_text, plan_files)
+
+MiB = 1 << 20
+
+
+# -- the source interface -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor a source can deliver.
+
+    ``dtype`` is the dtype of the stored elements ``read`` yields; ``kind`` is "param",
+    "frozen" (a parameter without gradient) or "buffer".
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str = "param"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ReadRequest:
+    """Fill ``out`` (1-D, contiguous, CPU, the tensor's dtype) with the flattened tensor's
+    elements ``[start, start + out.numel())``."""
+
+    name: str
+    start: int
+    out: torch.Tensor
+
+
+class TensorSource(Protocol):
+    """What the consolidator reads from."""
+
+    def tensors(self) -> Sequence[TensorInfo]:
+        """Every tensor to write, in key order (the order shards are filled); no aliases."""
+
+    def aliases(self) -> Mapping[str, str]:
+        """Tied names: ``{alias: owner}``, every owner among ``tensors()``."""
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        """Fill every request; a batch lets the source merge neighbouring reads."""
+
+    def close(self) -> None:
+        """Release files and threads."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def output_dtype(info: TensorInfo, requested: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is written in: float tensors are cast to ``requested`` (round to
+    nearest even when narrowing), everything else keeps its dtype, bit for bit (an int64
+    buffer of 16777217 never passes through float32). With fp32, the default, this is
+    what DeepSpeed 0.19.8's zero_to_fp32 writes."""
+    return requested if info.dtype.is_floating_point else info.dtype
+
+
+# -- windows ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements ``[start, start + count)`` of tensor ``info``, at byte ``out_offset`` of a window."""
+
+    info: TensorInfo
+    out_dtype: torch.dtype
+    start: int
+    count: int
+    out_offset: int
+
+
+@dataclass
+class Window:
+    """Bytes ``[file_offset, file_offset + nbytes)`` of file ``path``, built from ``chunks``."""
+
+    path: str
+    file_offset: int
+    nbytes: int = 0
+    stage_bytes: int = 0
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+def _stage_size(chunk_bytes: int) -> int:
+    return -(-chunk_bytes // 8) * 8  # each staged chunk starts 8-byte aligned
+
+
+def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mapping[str, TensorInfo],
+                 window_bytes: int) -> Iterator[Window]:
+    """Cut every file's data region into windows of at most ``window_bytes`` output bytes
+    and at most ``window_bytes`` staging bytes (source dtype, for chunks that are cast)."""
+    for plan, path in zip(plans, paths):
+        win = Window(path, plan.data_start)
+        for slot in plan.slots:
+            info = infos[slot.tensor.name]
+            out_dtype = slot.tensor.dtype
+            out_size, src_size = element_size(out_dtype), element_size(info.dtype)
+            cast = out_dtype != info.dtype
+            done, numel = 0, slot.tensor.numel
+            while done < numel:
+                room = (window_bytes - win.nbytes) // out_size
+                if cast:
+                    room = min(room, (window_bytes - win.stage_bytes - 8) // src_size)
+                if room <= 0:
+                    yield win
+                    win = Window(path, win.file_offset + win.nbytes)
+                    continue
+                take = min(room, numel - done)
+                win.chunks.append(Chunk(info, out_dtype, done, take, win.nbytes))
+                win.nbytes += take * out_size
+                if cast:
+                    win.stage_bytes += _stage_size(take * src_size)
+                done += take
+        if win.chunks:
+            yield win
+
+
+def fill_window(source: TensorSource, win: Window, out: PooledBuffer, stage: PooledBuffer | None) -> None:
+    """Read a window's chunks into ``out``: straight into place where no cast is needed,
+    else through ``stage`` and one ``copy_`` per chunk (the cast)."""
+    requests, casts = [], []
+    stage_off = 0
+    raw = out.bytes
+    for c in win.chunks:
+        nbytes = c.count * element_size(c.out_dtype)
+        dest = raw[c.out_offset:c.out_offset + nbytes].view(c.out_dtype)
+        if c.out_dtype == c.info.dtype:
+            requests.append(ReadRequest(c.info.name, c.start, dest))
+            continue
+        src_bytes = c.count * element_size(c.info.dtype)
+        staged = stage.bytes[stage_off:stage_off + src_bytes].view(c.info.dtype)
+        stage_off += _stage_size(src_bytes)
+        requests.append(ReadRequest(c.info.name, c.start, staged))
+        casts.append((dest, staged))
+    source.read(requests)
+    for dest, staged in casts:
+        dest.copy_(staged)
+
+
+# -- the pipeline ---------------------------------------------------------------------------
+
+@dataclass
+class ConsolidateResult:
+    """What was written: file names (in ``out_dir``), tensor and byte counts, aliases."""
+
+    out_dir: str
+    files: list[str]
+    tensors: int
+    total_bytes: int
+    aliases: dict[str, str]
+    index: dict | None
+
+
+def plan_output(source: TensorSource, max_shard_bytes: int,
+                dtype: torch.dtype = torch.float32) -> tuple[list[ShardPlan], dict | None, dict[str, TensorInfo]]:
+    """Shard plans, index and the source tensors by name, from metadata only."""
+    infos = {}
+    out = []
+    for info in source.tensors():
+        if info.name in infos:
+            raise ValueError(f"tensor {info.name!r} appears twice in the source")
+        infos[info.name] = info
+        out.append(OutTensor(info.name, tuple(info.shape), output_dtype(info, dtype)))
+    aliases = dict(source.aliases())
+    for alias, owner in aliases.items():
+        if owner not in infos:
+            raise ValueError(f"tied weight {alias!r} points at {owner!r}, which is not written")
+        if alias in infos:
+            raise ValueError(f"tied weight {alias!r} is also a tensor of its own")
+    plans, index = plan_files(out, max_shard_bytes, aliases)
+    return plans, index, infos
+
+
+class _Stop(Exception):
+    pass
+
+
+def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 * 10**9,
+                dtype: torch.dtype = torch.float32, window_bytes: int = 64 * MiB, depth: int = 2,
+                progress: Callable[[int, int], None] | None = None) -> ConsolidateResult:
+    """Write ``source`` to ``out_dir`` as (sharded) safetensors; see the module docstring.
+
+    Args:
+        max_shard_bytes: shard limit in bytes (Hugging Face's greedy rule).
+        dtype: the dtype of every float tensor written (``output_dtype``).
+        window_bytes: bytes per I/O window (one reusable buffer).
+        depth: windows filled ahead of the one being written.
+        progress: called as ``progress(bytes_written, total_bytes)``.
+    """
+    plans, index, infos = plan_output(source, max_shard_bytes, dtype)
+    total = sum(p.data_bytes for p in plans)
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".consolidate-tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        paths = [os.path.join(tmp, p.filename) for p in plans]
+        _write_files(source, plans, paths, infos, total, window_bytes, depth, progress)
+        if index is not None:
+            with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
+                f.write(index_text(index))
+                f.flush()
+                os.fsync(f.fileno())
+        names = [p.filename for p in plans] + ([INDEX_FILE] if index is not None else [])
+        _publish(tmp, out_dir, names)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ConsolidateResult(out_dir, names, len(infos), total, dict(source.aliases()), index)
+
+
+def _write_files(source, plans, paths, infos, total, window_bytes, depth, progress) -> None:
+    # no bigger than the output needs; at least one element of any dtype plus staging slack
+    window_bytes = max(64, min(window_bytes, -(-max(total, 1) // 4096) * 4096)) // 8 * 8
+    # Output is written once at offsets the 8-byte-padded header leaves unaligned, so
+    # O_DIRECT would rarely apply: plain buffered pwrite.
+    with AsyncFileIO(threads=2, queue_depth=4, direct=False) as fio, \
+            BufferPool((depth + 4) * round_up(window_bytes), pin=False) as pool:
+        for plan, path in zip(plans, paths):
+            fio.preallocate(path, plan.file_size)
+            fio.write(path, 0, plan.header).result()
+        filled: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def acquire(nbytes: int) -> PooledBuffer:
+            while True:  # bounded waits so a failed writer can stop us
+                if stop.is_set():
+                    raise _Stop()
+                try:
+                    return pool.acquire(nbytes, timeout=0.5)
+                except TimeoutError:
+                    continue
+
+        def offer(item) -> bool:
+            while not stop.is_set():  # bounded waits so a failed writer can stop us
+                try:
+                    filled.put(item, timeout=0.5)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                for win in iter_windows(plans, paths, infos, window_bytes):
+                    buf = acquire(win.nbytes)
+                    stage = acquire(win.stage_bytes) if win.stage_bytes else None
+                    try:
+                        fill_window(source, win, buf, stage)
+                    except BaseException:
+                        buf.release()
+                        raise
+                    finally:
+                        if stage is not None:
+                            stage.release()
+                    if not offer((win, buf)):
+                        buf.release()
+                        return
+                offer(None)
+            except _Stop:
+                return
+            except BaseException as e:  # handed to the writer, raised there
+                offer(e)
+
+        reader = threading.Thread(target=produce, name="oe-consolidate-read", daemon=True)
+        reader.start()
+        written = 0
+        pending: list[tuple] = []
+        try:
+            while True:
+                try:
+                    item = filled.get(timeout=0.05)
+                except queue.Empty:
+                    if pending:  # nothing to write yet: let the oldest write finish and free its buffer
+                        written += _finish(pending.pop(0))
+                        if progress:
+                            progress(written, total)
+                    continue
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                win, buf = item
+                pending.append((fio.write(win.path, win.file_offset, buf, length=win.nbytes), buf, win))
+                while len(pending) > 1:  # one write in flight while the next window fills
+                    written += _finish(pending.pop(0))
+                    if progress:
+                        progress(written, total)
+            while pending:
+                written += _finish(pending.pop(0))
+                if progress:
+                    progress(written, total)
+            for path in paths:
+                fio.sync(path).result()
+        finally:
+            stop.set()
+            for fut, buf, _ in pending:
+                fut.exception()
+                buf.release()
+            while True:  # drain what the reader queued so its buffers go back
+                try:
+                    item = filled.get(timeout=0.05)
+                except queue.Empty:
+                    if not reader.is_alive():
+                        break
+                    continue
+                if isinstance(item, tuple):
+                    item[1].release()
+            reader.join()
+
+
+def _finish(entry) -> int:
+    fut, buf, win = entry
+    try:
+        fut.result()
+    finally:
+        buf.release()
+    return win.nbytes
+
+
+def _publish(tmp: str, out_dir: str, names: list[str]) -> None:
+    """Remove what an earlier export left (stale shards would confuse loaders), then move
+    the new files in."""
+    for old in os.listdir(out_dir):
+        if OUTPUT_FILE_PATTERN.match(old) and os.path.isfile(os.path.join(out_dir, old)):
+            os.remove(os.path.join(out_dir, old))
+    for name in names:
+        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- verification ---------------------------------------------------------------------------
+
+def verify_output(source: TensorSource, out_dir: str, dtype: torch.dtype = torch.float32,
+                  chunk_bytes: int = 64 * MiB, limit: int = 20) -> list[str]:
+    """Re-read ``out_dir`` with the ``safetensors`` library and compare it with ``source``.
+
+    Checks the file set and index (weight_map, total_size, alias metadata), every tensor's
+    dtype and shape, and its bytes against the source cast as ``consolidate`` casts them,
+    ``chunk_bytes`` at a time (row ranges through ``get_slice``), so memory stays bounded.
+    Returns up to ``limit`` problems, one line each; empty when the output matches.
+    """
+    from safetensors import safe_open
+
+    problems: list[str] = []
+
+    def problem(text: str) -> bool:
+        problems.append(text)
+        return len(problems) >= limit
+
+    expected = {i.name: i for i in source.tensors()}
+    aliases = dict(source.aliases())
+    index_path = os.path.join(out_dir, INDEX_FILE)
+    weight_map = None
+    if os.path.exists(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        weight_map = index.get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        meta = index.get("metadata", {})
+        want_total = sum(i.numel * element_size(output_dtype(i, dtype)) for i in expected.values())
+        if meta.get("total_size") != want_total:
+            problem(f"{INDEX_FILE}: total_size {meta.get('total_size')} != {want_total}")
+        for alias, owner in aliases.items():
+            if meta.get(alias) != owner:
+                problem(f"{INDEX_FILE}: tied weight {alias} -> {owner} not recorded in metadata")
+    else:
+        files = [SINGLE_FILE]
+    seen: dict[str, str] = {}
+    for fname in files:
+        with safe_open(os.path.join(out_dir, fname), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != "pt":
+                problem(f"{fname}: __metadata__ format is {meta.get('format')!r}, not 'pt'")
+            keys = set(f.keys())
+            for alias, owner in aliases.items():
+                if owner in keys and meta.get(alias) != owner:
+                    problem(f"{fname}: tied weight {alias} -> {owner} not recorded in __metadata__")
+            for name in f.keys():
+                if name in seen:
+                    if problem(f"{name}: written twice ({seen[name]} and {fname})"):
+                        return problems
+                    continue
+                seen[name] = fname
+                if weight_map is not None and weight_map.get(name) != fname:
+                    problem(f"{name}: in {fname} but the index says {weight_map.get(name)}")
+                info = expected.get(name)
+                if info is None:
+                    problem(f"{fname}: unexpected tensor {name}")
+                elif _verify_tensor(source, f, info, output_dtype(info, dtype), chunk_bytes, fname, problem):
+                    return problems
+    for name in expected:
+        if name not in seen and problem(f"{name}: missing from the output"):
+            return problems
+    if weight_map is not None:
+        for name in weight_map:
+            if name not in seen and problem(f"{INDEX_FILE}: maps {name}, which no file holds"):
+                return problems
+    return problems
+
+
+def _verify_tensor(source, f, info: TensorInfo, out_dtype: torch.dtype, chunk_bytes: int,
+                   fname: str, problem) -> bool:
+    """Compare one tensor; True when the problem limit is reached."""
+    sl = f.get_slice(info.name)
+    shape = tuple(sl.get_shape())
+    if sl.get_dtype() != DTYPE_CODES[out_dtype] or shape != tuple(info.shape):
+        return problem(f"{fname}: {info.name} is {sl.get_dtype()} {list(shape)}, expected "
+                       f"{DTYPE_CODES[out_dtype]} {list(info.shape)}")
+    numel = info.numel
+    if numel == 0:
+        return False
+    if not shape:
+        ranges = [(0, 1, None)]
+    else:
+        row = numel // shape[0]
+        rows = max(1, (chunk_bytes // max(1, element_size(info.dtype))) // row)
+        ranges = [(r0, min(shape[0], r0 + rows), row) for r0 in range(0, shape[0], rows)]
+    for r0, r1, row in ranges:
+        got = f.get_tensor(info.name) if row is None else sl[r0:r1]
+        start, count = (0, 1) if row is None else (r0 * row, (r1 - r0) * row)
+        want = torch.empty(count, dtype=info.dtype)
+        source.read([ReadRequest(info.name, start, want)])
+        want = want.to(out_dtype)
+        if not torch.equal(got.reshape(-1).view(torch.uint8), want.view(torch.uint8)):
+            return problem(f"{fname}: {info.name} differs from the source in elements "
+                           f"[{start}, {start + count})")
+    return False

@@ -1,0 +1,140 @@
+"""Where each parameter's elements lie in DeepSpeed's per-rank flat partitions (pure arithmetic).
+
+Every function returns, per tensor, a list of ``Piece``: a run of the tensor's flattened
+elements held contiguously by one source tensor (a rank's flat group or fragment). The
+caller maps each source key to file bytes. Counts and offsets are in elements.
+
+ZeRO-1/2 (``stage_1_and_2.py``): a param group is flattened in ``param_shapes`` order,
+padded at the tail to a multiple of 2*world_size, cut into world_size equal partitions,
+and each rank saves its partition without the padding. So the concatenation over ranks is
+the unpadded flat group and a parameter is ``flat[off : off + numel]``.
+
+ZeRO-3 (``partition_parameters.py``): each parameter is partitioned on its own into
+``P = ceil(numel / world_size)`` elements per rank, the tail padding on the last rank(s).
+A rank's flat buffer is its sub-groups concatenated; parameter p sits at the same offset
+``sum(P of earlier params)`` on every rank. Rank r holds elements ``[r*P, (r+1)*P)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+
+class LayoutError(ValueError):
+    """The partition sizes do not add up to the parameter shapes (wrong or mixed files)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + count)`` of a tensor are elements
+    ``[src_offset, src_offset + count)`` of source tensor ``src``."""
+
+    start: int
+    count: int
+    src: Hashable
+    src_offset: int
+
+
+def split_concat(start: int, count: int, lengths: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """Cut the range ``[start, start + count)`` of a virtual concatenation of parts of
+    ``lengths`` into per-part runs ``(part index, offset in part, offset in range, count)``.
+
+    Raises LayoutError when the range runs past the end of the concatenation.
+    """
+    runs = []
+    part_start = 0
+    pos, end = start, start + count
+    for i, n in enumerate(lengths):
+        part_end = part_start + n
+        if pos < part_end and pos < end:
+            take = min(end, part_end) - pos
+            runs.append((i, pos - part_start, pos - start, take))
+            pos += take
+        part_start = part_end
+        if pos >= end:
+            break
+    if pos < end:
+        raise LayoutError(f"elements [{start}, {end}) reach past the {part_start} elements available")
+    return runs
+
+
+def concat_pieces(start: int, count: int, parts: Sequence[tuple[Hashable, int]]) -> list[Piece]:
+    """Pieces of ``count`` elements taken from offset ``start`` of the concatenation of
+    ``parts`` = [(source key, length)]."""
+    lengths = [n for _, n in parts]
+    return [Piece(rel, n, parts[i][0], off) for i, off, rel, n in split_concat(start, count, lengths)]
+
+
+def zero12_layout(group_params: Sequence[Sequence[tuple[str, int]]],
+                  partition_numels: Sequence[Sequence[int]]) -> dict[str, list[Piece]]:
+    """ZeRO-1/2 trainable parameters.
+
+    Args:
+        group_params: per param group, [(name, numel)] in ``param_shapes`` order.
+        partition_numels: ``[rank][group]`` numel of ``single_partition_of_fp32_groups``.
+
+    Source keys are ``(rank, group)``.
+    """
+    world_size = len(partition_numels)
+    align = 2 * world_size
+    out: dict[str, list[Piece]] = {}
+    for g, params in enumerate(group_params):
+        parts = [((r, g), partition_numels[r][g]) for r in range(world_size)]
+        avail = sum(n for _, n in parts)
+        offset = 0
+        for name, numel in params:
+            if offset + numel > avail:
+                raise LayoutError(f"param group {g}: {name} needs elements up to {offset + numel}, "
+                                  f"but the {world_size} rank partitions hold {avail}")
+            out[name] = concat_pieces(offset, numel, parts)
+            offset += numel
+        # DeepSpeed pads each group to a multiple of 2*world_size; what remains may differ
+        # from what was consumed only within that alignment (zero_to_fp32's own check).
+        if math.ceil(offset / align) != math.ceil(avail / align):
+            raise LayoutError(f"param group {g}: parameters consume {offset} elements but the rank "
+                              f"partitions hold {avail} (not within the {align}-element alignment)")
+    return out
+
+
+def zero3_layout(params: Sequence[tuple[str, int]],
+                 group_numels: Sequence[Sequence[int]]) -> dict[str, list[Piece]]:
+    """ZeRO-3 trainable parameters.
+
+    Args:
+        params: [(name, numel)] in merged ``param_shapes`` order (all sub-groups).
+        group_numels: ``[rank][sub-group]`` numel of ``fp32_flat_groups``.
+
+    Source keys are ``(rank, sub-group)``.
+    """
+    world_size = len(group_numels)
+    parts_by_rank = [[((r, g), n) for g, n in enumerate(group_numels[r])] for r in range(world_size)]
+    out: dict[str, list[Piece]] = {}
+    offset = 0  # same on every rank
+    for name, numel in params:
+        per_rank = math.ceil(numel / world_size)
+        pieces = []
+        for r in range(world_size):
+            lo, hi = r * per_rank, min(numel, (r + 1) * per_rank)
+            if lo >= hi:
+                continue  # this rank holds only padding of this parameter
+            try:
+                runs = concat_pieces(offset, hi - lo, parts_by_rank[r])
+            except LayoutError:
+                raise LayoutError(f"rank {r}: {name} needs flat elements up to {offset + hi - lo}, but "
+                                  f"its fp32 groups hold {sum(group_numels[r])}") from None
+            pieces += [Piece(lo + p.start, p.count, p.src, p.src_offset) for p in runs]
+        out[name] = pieces
+        offset += per_rank
+    for r in range(world_size):
+        if offset != sum(group_numels[r]):
+            raise LayoutError(f"rank {r}: parameters consume {offset} elements of each rank's flat "
+                              f"buffer but its fp32 groups hold {sum(group_numels[r])}")
+    return out
+
+
+def fragments_layout(numel: int, fragment_numels: Sequence[tuple[Hashable, int]]) -> list[Piece]:
+    """A tensor that is the first ``numel`` elements of its fragments concatenated (ZeRO-3
+    frozen parameters: each rank's padded ``ds_tensor``)."""
+    return concat_pieces(0, numel, fragment_numels)

@@ -1,0 +1,153 @@
+"""Read many small byte ranges of a few files as few large ``preadv`` calls.
+
+A window of output tensors needs, from each rank file, a run of ranges that are mostly
+back to back (ZeRO keeps parameters in the same order on every rank). Ranges are sorted
+per file and merged into one ``preadv`` whose iovecs scatter the bytes straight to their
+destinations; a small hole between two ranges (ZeRO-3 tail padding, the zip header between
+two storage records) is read into a scratch sink instead of costing another call, but
+only when the hole holds no record outside ``allowed``: bytes of storages the caller did
+not ask for (Adam moments) are never read. Files are read in parallel, one task per run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import errno
+import os
+import threading
+from dataclasses import dataclass
+
+from offload_engine.io import FileIOError, TruncatedFileError
+
+_IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
+
+
+@dataclass
+class Want:
+    """``len(dest)`` bytes at byte ``offset`` of file number ``file`` go to ``dest``."""
+
+    file: int
+    offset: int
+    dest: memoryview
+
+
+class ScatterReader:
+    """Coalescing reader over a fixed list of files.
+
+    Args:
+        paths: the files, numbered by position.
+        forbidden: per file, sorted non-overlapping ``(start, end)`` byte spans that must
+            never be read (records of storages nobody asked for).
+        max_gap: largest hole (bytes) bridged through the sink inside one ``preadv``.
+        threads: parallel runs in flight.
+    """
+
+    def __init__(self, paths: list[str], forbidden: list[list[tuple[int, int]]],
+                 max_gap: int = 64 * 1024, threads: int = 8):
+        self.paths = list(paths)
+        self._forbidden_starts = [[s for s, _ in spans] for spans in forbidden]
+        self._forbidden = forbidden
+        self.max_gap = max_gap
+        self._sink = bytearray(max_gap)  # contents never used; concurrent writes are harmless
+        self._fds: dict[int, int] = {}
+        self._fd_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads),
+                                                           thread_name_prefix="oe-ds-read")
+        self.bytes_read = 0
+        self.calls = 0
+        self.trace: list[tuple[int, int, int]] | None = None  # (file, offset, nbytes) when enabled
+        self._stats_lock = threading.Lock()
+
+    def read(self, wants: list[Want]) -> None:
+        """Fill every ``dest``; raises FileIOError / TruncatedFileError naming the file."""
+        runs = self._plan(wants)
+        if len(runs) == 1:
+            self._run(*runs[0])
+            return
+        futures = [self._pool.submit(self._run, *run) for run in runs]
+        for f in futures:
+            f.result()
+
+    def _plan(self, wants: list[Want]) -> list[tuple[int, int, list[memoryview]]]:
+        """Merge ranges into runs ``(file, offset, iovecs)``."""
+        runs: list[tuple[int, int, list[memoryview]]] = []
+        ordered = sorted((w for w in wants if len(w.dest)), key=lambda w: (w.file, w.offset))
+        cur_file, cur_start, cur_end, cur_iov = -1, 0, 0, None
+        for w in ordered:
+            gap = w.offset - cur_end
+            if (w.file == cur_file and 0 <= gap <= self.max_gap and len(cur_iov) < _IOV_MAX - 1
+                    and self._gap_allowed(w.file, cur_end, w.offset)):
+                if gap:
+                    cur_iov.append(memoryview(self._sink)[:gap])
+                cur_iov.append(w.dest)
+                cur_end = w.offset + len(w.dest)
+                continue
+            if cur_iov is not None:
+                runs.append((cur_file, cur_start, cur_iov))
+            cur_file, cur_start, cur_end, cur_iov = w.file, w.offset, w.offset + len(w.dest), [w.dest]
+        if cur_iov is not None:
+            runs.append((cur_file, cur_start, cur_iov))
+        return runs
+
+    def _gap_allowed(self, file: int, start: int, end: int) -> bool:
+        if start == end:
+            return True
+        starts = self._forbidden_starts[file]
+        i = bisect.bisect_left(starts, end)  # spans starting before the hole's end
+        if i == 0:
+            return True
+        return self._forbidden[file][i - 1][1] <= start  # that span ends before the hole
+
+    def _fd(self, file: int) -> int:
+        with self._fd_lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                path = self.paths[file]
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as e:
+                    raise FileIOError(e.errno, "open", path) from e
+                self._fds[file] = fd
+            return fd
+
+    def _run(self, file: int, offset: int, iov: list[memoryview]) -> None:
+        path = self.paths[file]
+        fd = self._fd(file)
+        total = sum(len(v) for v in iov)
+        if self.trace is not None:
+            with self._stats_lock:
+                self.trace.append((file, offset, total))
+        iov = list(iov)
+        pos, i, calls = offset, 0, 0
+        while i < len(iov):
+            try:
+                n = os.preadv(fd, iov[i:i + _IOV_MAX], pos)
+            except OSError as e:
+                raise FileIOError(e.errno, "read", path, pos, offset + total - pos) from e
+            calls += 1
+            if n == 0:
+                size = os.fstat(fd).st_size
+                raise TruncatedFileError(errno.ENODATA, "read", path, pos, offset + total - pos,
+                                         detail=f"file ends at byte {size} (truncated file?)")
+            pos += n
+            while n:  # drop what was filled; a partly filled iovec keeps its tail
+                if n >= len(iov[i]):
+                    n -= len(iov[i])
+                    i += 1
+                else:
+                    iov[i] = iov[i][n:]
+                    n = 0
+        with self._stats_lock:
+            self.bytes_read += total
+            self.calls += calls
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._fd_lock:
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()

@@ -1,0 +1,187 @@
+"""The Hugging Face sharded safetensors layout, planned before any tensor byte is read.
+
+File format (safetensors): an 8-byte little-endian header length N, N bytes of JSON
+``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}``
+(offsets relative to the first byte after the header, tensors back to back with no
+holes), then the data. The JSON is padded with spaces to a multiple of 8 bytes, as the
+safetensors library does, and tensors are laid out by decreasing element size so every
+tensor starts aligned to its element size.
+
+Sharding (``huggingface_hub`` ``split_state_dict_into_shards_factory``): walk tensors in
+key order; a tensor larger than the limit gets a shard of its own, appended at once while
+the current shard stays open; otherwise start a new shard when ``current + size > limit``.
+One shard is ``model.safetensors`` with no index; several are
+``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json`` with
+``{"metadata": {"total_size": <sum of tensor bytes>}, "weight_map": {name: file}}``.
+
+Tied weights: an alias is not written; ``{alias: owner}`` goes into the ``__metadata__``
+of the file that holds the owner (safetensors ``save_model`` convention) and, when
+sharded, into the index ``metadata`` (``huggingface_hub.save_torch_state_dict``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# what a previous export into the same folder may have left (removed before publishing)
+OUTPUT_FILE_PATTERN = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+
+DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "5GB" (decimal, 5*10**9, as Hugging Face counts), "500MB", "1GiB"
+    (binary), "1KB" or a plain number of bytes. Units are case-insensitive."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB, 1GiB, 4096)")
+        value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+        if value != int(value):
+            raise ValueError(f"size {text!r} is not a whole number of bytes")
+        value = int(value)
+    if value <= 0:
+        raise ValueError(f"shard size must be positive, got {text!r}")
+    return value
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor as written: name, shape and output dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A tensor's place in a file's data region: bytes ``[offset, offset + nbytes)``."""
+
+    tensor: OutTensor
+    offset: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One output file: its name, header bytes and the tensors in data order."""
+
+    filename: str
+    header: bytes          # 8-byte length + padded JSON
+    slots: tuple[Slot, ...]
+    data_bytes: int
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+def split_shards(tensors: list[OutTensor], max_shard_bytes: int) -> list[list[OutTensor]]:
+    """Hugging Face's greedy split in key order (see module docstring), exactly."""
+    shards: list[list[OutTensor]] = []
+    current: list[OutTensor] = []
+    current_size = 0
+    for t in tensors:
+        size = t.nbytes
+        if size > max_shard_bytes:
+            shards.append([t])  # its own shard, placed now; the open shard continues
+            continue
+        if current_size + size > max_shard_bytes:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(t)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards or [[]]
+
+
+def shard_filenames(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def encode_header(slots: list[Slot], metadata: dict[str, str]) -> bytes:
+    """8-byte length + JSON header padded with spaces to a multiple of 8 bytes."""
+    header: dict = {"__metadata__": dict(metadata)}
+    for s in slots:
+        header[s.tensor.name] = {"dtype": DTYPE_CODES[s.tensor.dtype], "shape": list(s.tensor.shape),
+                                 "data_offsets": [s.offset, s.offset + s.tensor.nbytes]}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def plan_files(tensors: list[OutTensor], max_shard_bytes: int,
+               aliases: dict[str, str]) -> tuple[list[ShardPlan], dict | None]:
+    """Shard plans and the index (None when one file suffices).
+
+    ``aliases`` maps a tied name to the owner name written in its place.
+    """
+    for t in tensors:
+        if t.dtype not in DTYPE_CODES:
+            raise ValueError(f"{t.name}: dtype {t.dtype} has no safetensors code")
+    groups = split_shards(tensors, max_shard_bytes)
+    names = shard_filenames(len(groups))
+    plans = []
+    weight_map: dict[str, str] = {}
+    for filename, group in zip(names, groups):
+        # decreasing element size keeps each tensor aligned; stable, so key order otherwise
+        ordered = sorted(group, key=lambda t: -element_size(t.dtype))
+        slots, offset = [], 0
+        for t in ordered:
+            slots.append(Slot(t, offset))
+            offset += t.nbytes
+            weight_map[t.name] = filename
+        owners = {t.name for t in group}
+        metadata = {"format": "pt"}
+        metadata.update({a: o for a, o in sorted(aliases.items()) if o in owners})
+        plans.append(ShardPlan(filename, encode_header(slots, metadata), tuple(slots), offset))
+    if len(plans) == 1:
+        return plans, None
+    index_meta: dict = {"total_size": sum(t.nbytes for t in tensors)}
+    index_meta.update(aliases)
+    index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
+    return plans, index
+
+
+def index_text(index: dict) -> str:
+    """The index as DeepSpeed and transformers write it: 2-space indent, sorted keys."""
+    return json.dumps(index, indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,279 @@
+"""DeepSpeed checkpoint reading: restricted unpickling, partition arithmetic, clear errors.
+
+Fixtures under tests/fixtures/deepspeed/ are real DeepSpeed 0.19.8 checkpoints (see the
+README there); deepspeed itself is never imported.
+"""
+
+import os
+import pickle
+import shutil
+import sys
+
+import pytest
+import torch
+
+from offload_engine.checkpoint.deepspeed import DeepSpeedSource
+from offload_engine.checkpoint.deepspeed.layout import (LayoutError, fragments_layout, split_concat,
+                                                        zero3_layout, zero12_layout)
+from offload_engine.checkpoint.consolidate import ReadRequest
+from offload_engine.checkpoint.safe_unpickler import (CheckpointFileError, Inert, TensorRef,
+                                                      UnsafePickleError, load_pt)
+from offload_engine.cli.main import main
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
+ALL = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
+Z2 = os.path.join(FIXTURES, "zero2_w3_fp32")
+Z3 = os.path.join(FIXTURES, "zero3_w3_fp32")
+
+
+def copy_fixture(src: str, tmp_path) -> str:
+    dst = os.path.join(tmp_path, os.path.basename(src))
+    shutil.copytree(src, dst)
+    for dirpath, _, files in os.walk(dst):
+        os.chmod(dirpath, 0o755)
+        for f in files:
+            os.chmod(os.path.join(dirpath, f), 0o644)
+    return dst
+
+
+def run_cli(args, capsys):
+    rc = main(["consolidate", *args])
+    return rc, capsys.readouterr()
+
+
+# -- restricted unpickler ---------------------------------------------------------------------
+
+MARKER_ENV = "OE_TEST_MARKER"
+
+
+def _write_marker(path):  # what a malicious pickle would like to run
+    with open(path, "w") as f:
+        f.write("pwned")
+
+
+class SystemCall:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class FunctionCall:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_write_marker, (self.marker,))
+
+
+class EvalCall:
+    def __reduce__(self):
+        return (eval, ("__import__('os').getpid()",))
+
+
+@pytest.mark.parametrize("make", [SystemCall, FunctionCall, lambda m: EvalCall()])
+def test_malicious_pickle_runs_no_code(tmp_path, make):
+    marker = tmp_path / "marker"
+    path = tmp_path / "evil.pt"
+    torch.save({"optimizer_state_dict": {"x": make(str(marker))}, "w": torch.ones(2)}, path)
+    with pytest.raises(UnsafePickleError) as e:
+        load_pt(path)
+    assert str(path) in str(e.value)
+    assert "allow-list" in str(e.value)
+    assert not marker.exists()
+
+
+def test_malicious_rank_file_through_cli(tmp_path, capsys):
+    ck = copy_fixture(Z3, tmp_path)
+    marker = tmp_path / "marker"
+    evil = os.path.join(ck, "global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    torch.save({"optimizer_state_dict": {"zero_stage": 3, "x": SystemCall(str(marker))}}, evil)
+    rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
+    assert rc == 2
+    assert evil in out.err and "posix.system" in out.err
+    assert len(out.err.strip().splitlines()) == 1
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_plain_pickle_is_refused(tmp_path):
+    path = tmp_path / "plain.pt"
+    path.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointFileError, match="not a readable torch checkpoint"):
+        load_pt(path)
+
+
+def test_deepspeed_classes_become_inert_stand_ins():
+    pt = load_pt(os.path.join(Z2, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    osd = pt.obj["optimizer_state_dict"]
+    assert isinstance(osd["zero_stage"], Inert) and osd["zero_stage"].value == 2
+    assert osd["loss_scaler"].cur_scale == 1.0
+    frag = osd["param_slice_mappings"][0]["emb.weight"]
+    assert (frag.start, frag.numel) == (0, 346)
+    assert "deepspeed" not in sys.modules
+
+
+def test_tensors_are_references_not_data():
+    pt = load_pt(os.path.join(Z3, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    flat = pt.obj["optimizer_state_dict"]["fp32_flat_groups"]
+    assert all(isinstance(t, TensorRef) for t in flat)
+    assert [t.numel for t in flat] == [343, 6]
+    assert flat[0].attrs == {"ds_id": "0_3"}
+
+
+# -- only the fp32 master bytes are read ---------------------------------------------------------
+
+def _moment_spans(pt):
+    """Byte spans of every exp_avg / exp_avg_sq storage in an optimizer file."""
+    osd = pt.obj["optimizer_state_dict"]
+    inner = osd.get("optimizer_state_dict") or osd.get("base_optimizer_state")
+    spans = []
+    for state in inner["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            span = pt.archive.record_span(state[key].storage.key)
+            spans.append((span.offset, span.offset + span.nbytes))
+    return spans
+
+
+@pytest.mark.parametrize("fixture", ALL)
+def test_adam_moments_are_never_read(fixture):
+    with DeepSpeedSource(os.path.join(FIXTURES, fixture)) as src:
+        src.reader.trace = []
+        src.read([ReadRequest(i.name, 0, torch.empty(i.numel, dtype=i.dtype)) for i in src.tensors()])
+        moments = {pt.path: _moment_spans(pt) for pt in src._optims}
+        assert moments and all(moments.values())
+        for file, offset, nbytes in src.reader.trace:
+            for lo, hi in moments.get(src.reader.paths[file], []):
+                assert offset + nbytes <= lo or offset >= hi, (fixture, file, offset, nbytes, lo, hi)
+        # and the reads were merged: one run per optimizer file for one batch
+        optim_runs = [f for f, _, _ in src.reader.trace if f < len(src._optims)]
+        assert sorted(optim_runs) == list(range(len(src._optims)))
+
+
+def test_ranged_reads_match_whole_reads():
+    with DeepSpeedSource(Z3) as src:
+        info = next(i for i in src.tensors() if i.name == "emb.weight")
+        whole = torch.empty(info.numel, dtype=info.dtype)
+        src.read([ReadRequest(info.name, 0, whole)])
+        parts = [torch.empty(n, dtype=info.dtype) for n in (1, 196, 198, 197)]
+        starts = [0, 1, 197, 395]
+        src.read([ReadRequest(info.name, s, p) for s, p in zip(starts, parts)])
+        assert torch.equal(torch.cat(parts), whole)
+
+
+# -- partition arithmetic --------------------------------------------------------------------------
+
+def test_split_concat():
+    assert split_concat(3, 6, [4, 2, 5]) == [(0, 3, 0, 1), (1, 0, 1, 2), (2, 0, 3, 3)]
+    with pytest.raises(LayoutError):
+        split_concat(8, 4, [4, 5])
+
+
+def test_zero3_padding_on_several_trailing_ranks():
+    # numel 9 over 8 ranks: 2 per rank, ranks 5..7 hold only padding
+    layout = zero3_layout([("w", 9)], [[2]] * 8)
+    pieces = layout["w"]
+    assert [(p.start, p.count, p.src) for p in pieces] == [(0, 2, (0, 0)), (2, 2, (1, 0)), (4, 2, (2, 0)),
+                                                           (6, 2, (3, 0)), (8, 1, (4, 0))]
+
+
+def test_zero3_sub_groups_and_offsets():
+    # a: 5 -> P=3, b: 4 -> P=2 on 2 ranks; sub-groups [3] and [2]
+    layout = zero3_layout([("a", 5), ("b", 4)], [[3, 2], [3, 2]])
+    assert [(p.start, p.count, p.src, p.src_offset) for p in layout["a"]] == [(0, 3, (0, 0), 0), (3, 2, (1, 0), 0)]
+    assert [(p.start, p.count, p.src, p.src_offset) for p in layout["b"]] == [(0, 2, (0, 1), 0), (2, 2, (1, 1), 0)]
+    with pytest.raises(LayoutError):
+        zero3_layout([("a", 5), ("b", 4)], [[3, 2], [3, 3]])
+
+
+def test_zero12_groups_across_ranks():
+    # group 0: 7 elements padded to 8 (2*ws, ws=2) -> partitions 4 and 3 saved
+    layout = zero12_layout([[("a", 3), ("b", 4)], [("c", 2)]], [[4, 2], [3, 0]])
+    assert [(p.start, p.count, p.src, p.src_offset) for p in layout["b"]] == [(0, 1, (0, 0), 3), (1, 3, (1, 0), 0)]
+    assert [(p.src, p.count) for p in layout["c"]] == [((0, 1), 2)]
+    with pytest.raises(LayoutError):
+        zero12_layout([[("a", 3)]], [[4], [4]])  # 8 available, 3 used: beyond the alignment
+
+
+def test_fragments_layout():
+    assert [(p.start, p.count, p.src) for p in fragments_layout(5, [(0, 2), (1, 2), (2, 2)])] == \
+        [(0, 2, 0), (2, 2, 1), (4, 1, 2)]
+
+
+# -- clear errors -----------------------------------------------------------------------------------
+
+def test_missing_latest(tmp_path, capsys):
+    ck = copy_fixture(Z2, tmp_path)
+    os.remove(os.path.join(ck, "latest"))
+    rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
+    assert rc == 2
+    assert os.path.join(ck, "latest") in out.err and "--tag" in out.err and "global_step2" in out.err
+    rc, out = run_cli([ck, str(tmp_path / "out"), "--tag", "global_step2"], capsys)
+    assert rc == 0
+
+
+def test_missing_tag_dir(tmp_path, capsys):
+    rc, out = run_cli([Z2, str(tmp_path / "out"), "--tag", "global_step9"], capsys)
+    assert rc == 2 and os.path.join(Z2, "global_step9") in out.err and "not found" in out.err
+
+
+def test_missing_src(tmp_path, capsys):
+    rc, out = run_cli([str(tmp_path / "nothing"), str(tmp_path / "out")], capsys)
+    assert rc == 2 and str(tmp_path / "nothing") in out.err
+
+
+def test_missing_rank_file(tmp_path, capsys):
+    ck = copy_fixture(Z3, tmp_path)
+    gone = os.path.join(ck, "global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    os.remove(gone)
+    rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
+    assert rc == 2 and gone in out.err and "missing rank file" in out.err
+
+
+def test_missing_model_states_file(tmp_path, capsys):
+    ck = copy_fixture(Z3, tmp_path)
+    gone = os.path.join(ck, "global_step2", "zero_pp_rank_2_mp_rank_00_model_states.pt")
+    os.remove(gone)
+    rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
+    assert rc == 2 and gone in out.err and "missing model states" in out.err
+
+
+def test_extra_rank_file(tmp_path, capsys):
+    ck = copy_fixture(Z2, tmp_path)
+    tag = os.path.join(ck, "global_step2")
+    extra = os.path.join(tag, "zero_pp_rank_3_mp_rank_00_optim_states.pt")
+    shutil.copy(os.path.join(tag, "zero_pp_rank_2_mp_rank_00_optim_states.pt"), extra)
+    rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
+    assert rc == 2 and extra in out.err and "partition_count 3" in out.err
+
+
+@pytest.mark.parametrize("damage", ["truncate_tail", "truncate_half", "garbage", "empty"])
+def test_damaged_rank_file(tmp_path, capsys, damage):
+    ck = copy_fixture(Z2, tmp_path)
+    bad = os.path.join(ck, "global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    data = open(bad, "rb").read()
+    data = {"truncate_tail": data[:-30], "truncate_half": data[: len(data) // 2],
+            "garbage": os.urandom(len(data)), "empty": b""}[damage]
+    with open(bad, "wb") as f:
+        f.write(data)
+    rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
+    assert rc == 2, out
+    assert bad in out.err
+    assert len(out.err.strip().splitlines()) == 1
+
+
+def test_record_truncated_inside_data(tmp_path, capsys):
+    """A file whose zip directory survives but whose data records were cut short."""
+    ck = copy_fixture(Z3, tmp_path)
+    bad = os.path.join(ck, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    pt = load_pt(bad)
+    span = pt.archive.record_span(pt.obj["optimizer_state_dict"]["fp32_flat_groups"][0].storage.key)
+    data = bytearray(open(bad, "rb").read())
+    # zero the local header magic of the fp32 record: the central directory still lists it
+    header = data.rfind(b"PK\x03\x04", 0, span.offset)
+    data[header:header + 4] = b"\0\0\0\0"
+    with open(bad, "wb") as f:
+        f.write(data)
+    rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
+    assert rc == 2 and bad in out.err and "corrupt" in out.err
