@@ -1,6 +1,6 @@
 """Bytes between memory and disk at device speed: aligned buffer pool and async file I/O."""
 
-from .align import ALIGN, aligned_host_buffer, round_up
+from .align import ALIGN, aligned_host_buffer, as_byte_view, round_up
 from .buffer_pool import BufferPool, PooledBuffer
 from .errors import (FileIOError, PoolError, PoolExhaustedError, RequestTooLargeError,
                      TruncatedFileError)
@@ -9,5 +9,5 @@ from .file_io import AsyncFileIO, IOFuture, IOStats
 __all__ = [
     "ALIGN", "AsyncFileIO", "BufferPool", "FileIOError", "IOFuture", "IOStats", "PoolError",
     "PoolExhaustedError", "PooledBuffer", "RequestTooLargeError", "TruncatedFileError",
-    "aligned_host_buffer", "round_up",
+    "aligned_host_buffer", "as_byte_view", "round_up",
 ]

@@ -188,7 +188,9 @@ class AsyncFileIO:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
-                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL) and nbytes > 0:
+                if nbytes == 0:
+                    return  # nothing to reserve (posix_fallocate refuses a zero length)
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     try:
                         if os.fstat(fd).st_size < nbytes:
                             os.ftruncate(fd, nbytes)
@@ -297,6 +299,7 @@ class AsyncFileIO:
                     self._do_sync(item[1], item[2])
                 else:
                     self._do_piece(*item[1:])
+            item = None  # drop the buffer view now: an idle worker must not pin the pool
 
     def _do_sync(self, path: str, fut: IOFuture) -> None:
         entry = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ValidationError, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ..units import parse_bytes
 
@@ -59,6 +59,14 @@ class StoreConfig(BaseModel):
         return self
 
     @classmethod
+    def load(cls, data: dict, source: str = "store config") -> "StoreConfig":
+        """Validate ``data``; errors are one line per problem, naming the key and ``source``."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ValueError(f"{source}: " + "; ".join(_describe(err) for err in e.errors())) from None
+
+    @classmethod
     def from_file(cls, path: str) -> "StoreConfig":
         """Load and validate a JSON config file; errors name the file."""
         try:
@@ -66,7 +74,11 @@ class StoreConfig(BaseModel):
                 data = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON: {e}") from None
-        try:
-            return cls.model_validate(data)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+        return cls.load(data, source=path)
+
+
+def _describe(err: dict) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "config"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key '{key}'"
+    return f"{key}: {err['msg'].removeprefix('Value error, ')}"

@@ -70,7 +70,7 @@ class TieredStore:
     """
 
     def __init__(self, config: StoreConfig | dict):
-        self.config = config if isinstance(config, StoreConfig) else StoreConfig.model_validate(config)
+        self.config = config if isinstance(config, StoreConfig) else StoreConfig.load(config)
         cfg = self.config
         self.root = os.path.abspath(cfg.nvme_paths[0]) if cfg.nvme_paths else None
         self._stripes = [os.path.abspath(p) for p in cfg.nvme_paths]
@@ -111,6 +111,7 @@ class TieredStore:
         self._recorded: set = set()
         self._write_errors: list[BaseException] = []
         self._inflight_writes = 0
+        self._freeing = 0  # bytes that write-backs in flight will return to the pool
         self._tick = 0
         self._stats = StatsCounter()
         self._auto_bytes = {"gpu": 0, "cpu": 0}
@@ -269,8 +270,12 @@ class TieredStore:
             self._check_open()
             self._note_use(b)
             t0 = time.monotonic()
-            waited = self._make_resident(b, demand=True)
-            b.refs += 1
+            b.refs += 1  # from now on: not a victim, even while we wait for its read
+            try:
+                waited = self._make_resident(b, demand=True)
+            except BaseException:
+                b.refs -= 1
+                raise
             self._tick += 1
             b.last_use = self._tick
             self._pump()
@@ -330,7 +335,7 @@ class TieredStore:
                 if status == "none" and self._write_errors:
                     raise self._write_errors[0]
             elif b.state == WRITING:
-                b.evict_after_write = False  # needed again: keep it once the write lands
+                self._set_evict_after(b, False)  # needed again: keep it once the write lands
             elif b.state == READING and not counted:
                 self._stats.current.hits += 1  # prefetched: the read was already on its way
                 counted = True
@@ -346,8 +351,12 @@ class TieredStore:
             self._cv.wait(remaining)
 
     # -- filling and eviction -----------------------------------------------------------------
-    def _fill(self, b: Bucket, demand: bool) -> str:
-        """Start bringing ``b`` in: "started", "pending" (space is being freed) or "none"."""
+    def _fill(self, b: Bucket, demand: bool, credit: list[int] | None = None) -> str:
+        """Start bringing ``b`` in: "started", "pending" (space is being freed) or "none".
+
+        ``credit`` holds bytes that write-backs in flight will free and that no earlier
+        caller in this pass has claimed: while it covers ``b``, no further bucket is evicted.
+        """
         arr = b.array
         if arr.home == "gpu":
             off = self.gpu.alloc(b.nbytes)
@@ -358,7 +367,7 @@ class TieredStore:
             b.state = RESIDENT
             self._stats.current.zero_fills += 1
             return "started"
-        buf, status = self._get_buffer(b, demand)
+        buf, status = self._get_buffer(b, demand, [self._freeing] if credit is None else credit)
         if buf is None:
             return status
         b.buf = buf
@@ -386,12 +395,15 @@ class TieredStore:
             self._cv.notify_all()
             self._pump()
 
-    def _get_buffer(self, b: Bucket, demand: bool):
+    def _get_buffer(self, b: Bucket, demand: bool, credit: list[int]):
         limit = INF if demand else self._next_use(b)
         while True:
             buf = self.pool.try_acquire(b.nbytes)
             if buf is not None:
                 return buf, "ok"
+            if credit[0] >= b.nbytes:
+                credit[0] -= b.nbytes  # a write-back in flight will make room: wait for it
+                return None, "pending"
             victim = self._pick_victim(b, limit, demand)
             if victim is None:
                 return None, ("pending" if self._inflight_writes else "none")
@@ -435,7 +447,7 @@ class TieredStore:
 
     def _start_write(self, b: Bucket, evict_after: bool) -> None:
         b.state = WRITING
-        b.evict_after_write = evict_after
+        self._set_evict_after(b, evict_after)
         b.dirty = False
         self._inflight_writes += 1
         event, b.d2h_event = b.d2h_event, None
@@ -454,6 +466,8 @@ class TieredStore:
     def _write_done(self, b: Bucket, fut) -> None:
         with self._lock:
             self._inflight_writes -= 1
+            evict = b.evict_after_write and b.refs == 0
+            self._set_evict_after(b, False)
             err = fut.exception()
             if err is not None:
                 log.error("write-back of %s bucket %d failed: %s", b.array.name, b.index, err)
@@ -464,13 +478,17 @@ class TieredStore:
             else:
                 b.on_disk = True
                 self._stats.current.bytes_written["nvme"] += b.nbytes
-                if b.evict_after_write and b.refs == 0:
+                if evict:
                     self._drop(b)
                 else:
                     b.state = RESIDENT
-            b.evict_after_write = False
             self._cv.notify_all()
             self._pump()
+
+    def _set_evict_after(self, b: Bucket, value: bool) -> None:
+        if value != b.evict_after_write:
+            self._freeing += b.buf.capacity if value else -b.buf.capacity
+            b.evict_after_write = value
 
     def _pump(self) -> None:
         """Issue reads for the next ``prefetch_depth`` scheduled buckets and queued prefetches."""
@@ -482,10 +500,11 @@ class TieredStore:
         if self._prefetch_queue:
             self._prefetch_queue = [q for q in self._prefetch_queue if q.state == ABSENT]
             wanted += self._prefetch_queue
-        for b in wanted:
+        credit = [self._freeing]
+        for b in dict.fromkeys(wanted):  # once each: the next step may start where this ends
             if b.state != ABSENT or b.array.home == "gpu":
                 continue
-            if self._fill(b, demand=False) == "none":
+            if self._fill(b, demand=False, credit=credit) == "none":
                 break
 
     def _bucket(self, key) -> Bucket:

@@ -1,0 +1,385 @@
+import errno
+import gc
+import multiprocessing as mp
+import os
+import tempfile
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from offload_engine.io import FileIOError, IOFuture, PoolExhaustedError
+from offload_engine.layout import FlatArray
+from offload_engine.store import StoreConfig, StoreLockedError, TieredStore
+
+B = 4096  # bucket bytes in these tests: small so budgets force eviction
+
+
+def make_store(path, **over):
+    cfg = dict(nvme_paths=[str(path)], cpu_budget=5 * B, bucket_bytes=B, prefetch_depth=2,
+               io_threads=2, queue_depth=2, acquire_timeout_s=5)
+    cfg.update(over)
+    return TieredStore(cfg)
+
+
+def run_steps(store, name, steps, fn=None):
+    """Each step: acquire every bucket in the store's order, add 1, release dirty."""
+    nb = len(store.bucket_ranges(name))
+    out = []
+    for _ in range(steps):
+        order = store.begin_step() or [(name, i) for i in range(nb)]
+        for key in order:
+            h = store.acquire(*key)
+            h.tensor.add_(1)
+            store.release(h, dirty=True)
+        out.append(store.stats(reset=True))
+    return out
+
+
+# -- config ------------------------------------------------------------------------------------
+def test_config_rejects_unknown_keys_by_name():
+    with pytest.raises(ValueError, match="cpu_budgte"):
+        StoreConfig.model_validate({"nvme_paths": ["/x"], "cpu_budgte": "8GiB"})
+
+
+def test_config_sizes_accept_strings():
+    cfg = StoreConfig(nvme_paths=["/x"], cpu_budget="8GiB", gpu_budget="5GB", bucket_bytes="64MiB")
+    assert cfg.cpu_budget == 8 << 30 and cfg.gpu_budget == 5 * 10**9 and cfg.bucket_bytes == 64 << 20
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        StoreConfig(nvme_paths=["/x"], bucket_bytes=1000)
+    with pytest.raises(ValueError, match="not a size"):
+        StoreConfig(nvme_paths=["/x"], cpu_budget="lots")
+    with pytest.raises(ValueError, match="nvme_paths is empty"):
+        StoreConfig(default_home="nvme")
+
+
+def test_config_from_file_names_the_file(tmp_path):
+    p = tmp_path / "store.json"
+    p.write_text('{"nvme_paths": ["/x"], "prefetch_dept": 3}')
+    with pytest.raises(ValueError, match=f"{p}.*prefetch_dept"):
+        StoreConfig.from_file(str(p))
+
+
+# -- basic semantics ----------------------------------------------------------------------------
+def test_lazy_init_writes_nothing_and_reads_zeros(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 1_000_000)
+        assert os.listdir(tmp_path / "m" / "c") == []
+        h = s.acquire("m", 3)
+        assert h.tensor.numel() == B // 4 and int(h.tensor.abs().sum()) == 0
+        s.release(h)
+        st_ = s.stats()
+        assert st_.zero_fills == 1 and st_.bytes_read["nvme"] == 0
+    assert os.listdir(tmp_path / "m" / "c") == []  # clean zeros are never written
+
+
+def test_cpu_acquire_returns_the_pooled_buffer_itself(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 10_000)
+        h = s.acquire("m", (1024, 1100))
+        arena = s.pool._arena
+        assert arena.data_ptr() <= h.tensor.data_ptr() < arena.data_ptr() + s.pool.capacity
+        assert h.tensor.numel() == 76
+        s.release(h)
+
+
+def test_cuda_request_without_cuda_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 10_000)
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            s.acquire("m", 0, device="cuda")
+        with pytest.raises(ValueError, match="needs CUDA"):
+            s.register("g", torch.float32, 10, home="gpu")
+
+
+def test_range_errors_are_clear(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 10_000)
+        with pytest.raises(ValueError, match="crosses a bucket boundary"):
+            s.acquire("m", (1000, 1100))
+        with pytest.raises(IndexError, match="outside array m"):
+            s.acquire("m", (0, 10_001))
+        with pytest.raises(KeyError, match="no array named 'x'"):
+            s.acquire("x", 0)
+
+
+def test_two_acquires_of_one_bucket_share_one_read(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 10 * B // 4)
+        run_steps(s, "m", 1)
+        s.flush()
+        # evict everything by touching other buckets, then read bucket 0 twice at once
+        for i in range(5, 10):
+            s.release(s.acquire("m", i))
+        s.stats(reset=True)
+        a = s.acquire("m", 0)
+        b = s.acquire("m", 0)
+        assert a.tensor.data_ptr() == b.tensor.data_ptr()
+        s.release(a)
+        s.release(b)
+        assert s.stats().bytes_read["nvme"] == B
+
+
+def test_prefetch_then_acquire_is_a_hit(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 10 * B // 4)
+        run_steps(s, "m", 1)
+        s.flush()
+        for i in range(5, 10):
+            s.release(s.acquire("m", i))
+        s.stats(reset=True)
+        s.prefetch([("m", 0), ("m", (B // 4, B // 4 + 5))])
+        for i in (0, 1):
+            s.release(s.acquire("m", i))
+        st_ = s.stats()
+        assert st_.hits == 2 and st_.misses == 0 and st_.bytes_read["nvme"] == 2 * B
+
+
+def test_data_persists_across_reopen_and_arrays_are_zarr_readable(tmp_path):
+    import zarr
+
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 7 * B // 4 + 3)
+        run_steps(s, "m", 3)
+    z = zarr.open_array(str(tmp_path / "m"), mode="r")
+    assert np.array_equal(np.asarray(z[:]), np.full(7 * B // 4 + 3, 3, np.float32))
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 7 * B // 4 + 3)
+        h = s.acquire("m", 7)
+        assert h.tensor.tolist() == [3.0, 3.0, 3.0]
+        s.release(h)
+    with pytest.raises(ValueError, match="has dtype torch.float32, 7171 elements"):
+        with make_store(tmp_path) as s:
+            s.register("m", torch.float32, 100)
+
+
+def test_striping_round_robin_over_paths_stays_readable(tmp_path):
+    import zarr
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    with make_store(a, nvme_paths=[str(a), str(b)]) as s:
+        s.register("m", torch.int32, 6 * B // 4)
+        run_steps(s, "m", 2)
+    striped = sorted(os.listdir(b / "stripes" / "m" / "c"))
+    assert striped == ["1", "3", "5"]
+    assert sorted(os.listdir(a / "m" / "c")) == [str(i) for i in range(6)]
+    assert np.array_equal(np.asarray(zarr.open_array(str(a / "m"), mode="r")[:]),
+                          np.full(6 * B // 4, 2, np.int32))
+
+
+# -- bytes moved per step ------------------------------------------------------------------------
+@pytest.mark.parametrize("alternate", [True, False])
+def test_each_bucket_not_resident_is_read_once_and_written_once_per_step(tmp_path, alternate):
+    n, cap = 16, 6
+    with make_store(tmp_path, cpu_budget=cap * B, alternate_order=alternate) as s:
+        s.register("m", torch.float32, n * B // 4)
+        events = []  # ("read"|"write"|"use", bucket index) in the order they happened
+        real_read, real_write, real_acquire = s.io.read, s.io.write, s.acquire
+        s.io.read = lambda path, *a, **k: (events.append(("read", path)), real_read(path, *a, **k))[1]
+        s.io.write = lambda path, *a, **k: (events.append(("write", path)), real_write(path, *a, **k))[1]
+        s.acquire = lambda name, i: (real_acquire(name, i),
+                                     events.append(("use", s._arrays[name].flat.chunk_path(i))))[0]
+        run_steps(s, "m", 1)
+        s.flush()
+        events.clear()
+        s.stats(reset=True)
+        total_read = total_written = 0
+        for step in range(8):
+            start = len(events)
+            resident_at_start = len(s.resident_buckets())
+            st_ = run_steps(s, "m", 1)[0]
+            total_read += st_.bytes_read["nvme"]
+            total_written += st_.bytes_written["nvme"]
+            reads = [p for e, p in events[start:] if e == "read"]
+            writes = [p for e, p in events[start:] if e == "write"]
+            assert st_.hits + st_.misses == n  # (which are hits depends on timing)
+            if alternate:
+                # the whole pool carries over: exactly the other buckets are read and written
+                assert resident_at_start == cap
+                assert len(reads) == len(set(reads)) == n - cap
+                assert len(writes) == len(set(writes)) == n - cap
+        s.flush()
+        # the counters agree with the I/O issued over the run, once all of it has landed
+        reads_after_first = sum(1 for e, _ in events if e == "read")
+        writes_after_first = sum(1 for e, _ in events if e == "write")
+        assert total_read + s.stats().bytes_read["nvme"] == reads_after_first * B
+        assert total_written + s.stats().bytes_written["nvme"] == writes_after_first * B
+        # whatever the order: between two reads (or two writes) of a bucket it was used:
+        # no read is wasted on a bucket evicted before use, no clean bucket is rewritten
+        last = {}
+        for kind, path in events:
+            if kind in ("read", "write"):
+                assert last.get((kind, path)) != "pending", f"{path} {kind} twice without a use"
+                last[(kind, path)] = "pending"
+            else:
+                last[("read", path)] = last[("write", path)] = "used"
+        h = s.acquire("m", 0)
+        assert float(h.tensor[0]) == 9.0
+        s.release(h)
+
+
+# -- failures ---------------------------------------------------------------------------------
+def test_pool_exhaustion_is_a_clear_error_not_a_hang(tmp_path):
+    with make_store(tmp_path, cpu_budget=2 * B, acquire_timeout_s=0.3) as s:
+        s.register("m", torch.float32, 4 * B // 4)
+        held = [s.acquire("m", 0), s.acquire("m", 1)]
+        with pytest.raises(PoolExhaustedError, match="2 buckets held by acquire"):
+            s.acquire("m", 2)
+        for h in held:
+            s.release(h)
+        s.release(s.acquire("m", 2))
+
+
+def _second_writer(path, q):
+    try:
+        TieredStore(dict(nvme_paths=[path], cpu_budget=B, bucket_bytes=B))
+        q.put("opened")
+    except StoreLockedError as e:
+        q.put(str(e))
+
+
+def test_second_writer_is_refused_and_readers_are_not(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 4 * B // 4)
+        run_steps(s, "m", 1)
+        s.flush()
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_second_writer, args=(str(tmp_path), q))
+        p.start()
+        msg = q.get(timeout=60)
+        p.join()
+        assert f"open for writing by process {os.getpid()}" in msg and str(tmp_path) in msg
+        with pytest.raises(StoreLockedError):
+            make_store(tmp_path)  # a second writer in the same process too
+        from offload_engine.io import AsyncFileIO
+        with AsyncFileIO(threads=1, queue_depth=1) as io:
+            reader = FlatArray.open(str(tmp_path / "m"), io=io, mode="r")
+            assert bool((reader.read() == 1).all())
+    make_store(tmp_path).close()  # released on close
+
+
+def test_failed_write_back_loses_nothing(tmp_path, monkeypatch):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 3 * B // 4)
+        run_steps(s, "m", 1)
+        real_write = s.io.write
+
+        def full_disk(path, offset, buf, length=None, sync=False):
+            f = IOFuture()
+            f.set_running_or_notify_cancel()
+            f.set_exception(FileIOError(errno.ENOSPC, "write", path, offset, len(memoryview(buf))))
+            return f
+
+        monkeypatch.setattr(s.io, "write", full_disk)
+        with pytest.raises(FileIOError, match="No space left"):
+            s.flush()
+        monkeypatch.setattr(s.io, "write", real_write)
+        s.flush()  # the bytes were kept: retry succeeds
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 3 * B // 4)
+        for i in range(3):
+            h = s.acquire("m", i)
+            assert bool((h.tensor == 1).all())
+            s.release(h)
+
+
+# -- resources stay flat -------------------------------------------------------------------------
+def test_rss_fds_and_pool_stay_flat_over_500_steps(tmp_path):
+    proc = psutil.Process()
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 8 * B // 4)
+        s.register("v", torch.bfloat16, 3 * B // 2, home="cpu")
+
+        def step():
+            order = s.begin_step() or [("m", i) for i in range(8)]
+            for key in order:
+                h = s.acquire(*key)
+                h.tensor.add_(1)
+                s.release(h, dirty=True)
+            hv = s.acquire("v", 0)
+            s.release(hv, dirty=True)
+            s.stats(reset=True)
+
+        for _ in range(50):
+            step()
+        gc.collect()
+        rss0, fds0, pool0 = proc.memory_info().rss, proc.num_fds(), s.pool.in_use
+        for _ in range(450):
+            step()
+        gc.collect()
+        rss1, fds1, pool1 = proc.memory_info().rss, proc.num_fds(), s.pool.in_use
+        assert fds1 == fds0
+        assert pool1 == pool0
+        assert rss1 - rss0 < 8 << 20, f"RSS grew by {(rss1 - rss0) >> 10} KiB"
+        h = s.acquire("m", 0)
+        assert float(h.tensor[0]) == 500.0
+        s.release(h)
+
+
+# -- property-based integrity -----------------------------------------------------------------------
+ARRAYS = {"a": (torch.float32, 5 * B // 4 + 7, "nvme"), "b": (torch.int64, 3 * B // 8, "nvme"),
+          "c": (torch.bfloat16, B, "cpu")}
+
+op = st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from(sorted(ARRAYS)), st.integers(0, 10),
+              st.booleans(), st.integers(0, 2**31)),
+    st.tuples(st.just("release"), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("prefetch"), st.sampled_from(sorted(ARRAYS)), st.integers(0, 10)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("flush")),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=60), budget=st.integers(4, 7), depth=st.integers(0, 3))
+def test_random_operations_match_an_in_memory_model(ops, budget, depth):
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
+        s = make_store(d, cpu_budget=budget * B, prefetch_depth=depth, acquire_timeout_s=5)
+        model = {}
+        for name, (dtype, numel, home) in ARRAYS.items():
+            s.register(name, dtype, numel, home=home)
+            model[name] = torch.zeros(numel, dtype=dtype)
+        held = []  # (handle, new values or None)
+        for o in ops:
+            if o[0] == "acquire" and len(held) < 3:
+                _, name, idx, write, seed = o
+                ranges = s.bucket_ranges(name)
+                lo, hi = ranges[idx % len(ranges)]
+                h = s.acquire(name, (lo, hi))
+                assert torch.equal(h.tensor, model[name][lo:hi]), f"{name}[{lo}:{hi}] wrong"
+                new = None
+                if write and not any(x[0]._bucket is h._bucket and x[1] is not None for x in held):
+                    g = torch.Generator().manual_seed(seed)
+                    new = torch.randint(-100, 100, (hi - lo,), generator=g).to(h.tensor.dtype)
+                    h.tensor.copy_(new)
+                    model[name][lo:hi] = new  # other holders of this bucket share the view
+                held.append((h, new))
+            elif o[0] == "release" and held:
+                h, new = held.pop(o[1] % len(held))
+                s.release(h, dirty=new is not None)
+            elif o[0] == "prefetch":
+                ranges = s.bucket_ranges(o[1])
+                s.prefetch([(o[1], o[2] % len(ranges))])
+            elif o[0] == "step" and not held:
+                s.begin_step()
+            elif o[0] == "flush":
+                s.flush()
+        for h, new in held:
+            s.release(h, dirty=new is not None)
+        s.close()
+        s = make_store(d)
+        for name, (dtype, numel, home) in ARRAYS.items():
+            s.register(name, dtype, numel, home=home)
+            if home != "nvme":
+                continue
+            for i in range(len(s.bucket_ranges(name))):
+                h = s.acquire(name, i)
+                assert torch.equal(h.tensor, model[name][h.start:h.stop]), f"{name} bucket {i} after reopen"
+                s.release(h)
+        s.close()
