@@ -270,3 +270,45 @@ def test_failed_read_leaves_no_partial_output(tmp_path):
     with pytest.raises(OSError, match="simulated"):
         consolidate(Broken({"w": torch.ones(1000)}), str(out), window_bytes=512)
     assert os.listdir(out) == []
+
+
+def test_memory_is_a_few_windows_not_the_model(tmp_path):
+    """A 24 MB model through 256 KiB windows: buffers in use stay at a few windows, the largest
+    tensor (16 MB) crosses many windows, and a bf16 cast goes through the staging buffer."""
+    from test_deepspeed_reader import write_synthetic
+
+    g = torch.Generator().manual_seed(0)
+    params = {"big": torch.randn(2000, 2000, generator=g), "small": torch.randn(7, generator=g),
+              "mid": torch.randn(1000, 2000, generator=g)}
+    write_synthetic(tmp_path / "ck", 3, 4, params, sub_group_numel=600_000)
+    window = 256 * 1024
+    for dtype in (torch.float32, torch.bfloat16):
+        out = tmp_path / f"out-{dtype}".replace("torch.", "")
+        with DeepSpeedSource(str(tmp_path / "ck")) as src:
+            result = consolidate(src, str(out), dtype=dtype, window_bytes=window, max_shard_bytes=10**7)
+            assert result.peak_buffer_bytes <= 6 * window
+            assert verify_output(src, str(out), dtype=dtype, chunk_bytes=window) == []
+        got, _ = load_output(out)
+        for name, want in params.items():
+            assert torch.equal(got[name], want.to(dtype)), name
+
+
+def test_cli_verify_failure_exits_1(tmp_path, capsys, monkeypatch):
+    import offload_engine.cli.consolidate as cli
+
+    monkeypatch.setattr(cli, "verify_output", lambda *a, **k: ["model.safetensors: emb.weight differs"])
+    rc = main(["consolidate", os.path.join(FIXTURES, "zero2_w3_fp32"), str(tmp_path / "o"), "--verify"])
+    assert rc == 1 and "emb.weight differs" in capsys.readouterr().err
+
+
+def test_progress_line_ends_with_newline():
+    import io
+
+    from offload_engine.cli.consolidate import ProgressLine
+
+    stream = io.StringIO()
+    line = ProgressLine(stream)
+    line(5 * 10**8, 10**9)
+    line(10**9, 10**9)
+    text = stream.getvalue()
+    assert text.startswith("\rconsolidate: 0.50/1.00 GB") and "100.0%" in text and text.endswith("\n")

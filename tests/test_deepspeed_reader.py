@@ -277,3 +277,98 @@ def test_record_truncated_inside_data(tmp_path, capsys):
         f.write(data)
     rc, out = run_cli([ck, str(tmp_path / "out")], capsys)
     assert rc == 2 and bad in out.err and "corrupt" in out.err
+
+
+# -- synthetic checkpoints: edge cases real runs rarely hit -------------------------------------------
+
+def write_synthetic(root, stage, world_size, params, groups=None, sub_group_numel=None, buffers=None):
+    """A ZeRO checkpoint laid out the way DeepSpeed lays it out (written independently of the
+    reader's arithmetic): ``params`` {name: fp32 tensor}, ``groups`` lists of names (ZeRO-1/2
+    param groups), ``sub_group_numel`` (ZeRO-3 per-rank sub-group size)."""
+    from collections import OrderedDict
+    tag = os.path.join(root, "global_step1")
+    os.makedirs(tag)
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("global_step1")
+    buffers = buffers or {}
+    groups = groups or [list(params)]
+    moments = lambda t: {"exp_avg": torch.full_like(t, 7.0), "exp_avg_sq": torch.full_like(t, 9.0)}
+    model = {"module": OrderedDict(buffers), "buffer_names": list(buffers), "shared_params": {},
+             "frozen_param_shapes": None, "frozen_param_fragments": None, "ds_version": "synthetic"}
+    if stage <= 2:
+        per_rank = [[] for _ in range(world_size)]
+        for names in groups:
+            flat = torch.cat([params[n].reshape(-1) for n in names])
+            align = 2 * world_size
+            padded = -(-flat.numel() // align) * align
+            part = padded // world_size
+            for r in range(world_size):
+                per_rank[r].append(flat[r * part:(r + 1) * part].clone())  # padding not saved
+        model["param_shapes"] = [OrderedDict((n, params[n].shape) for n in names) for names in groups]
+        torch.save(model, os.path.join(tag, "mp_rank_00_model_states.pt"))
+        for r in range(world_size):
+            osd = {"zero_stage": stage, "partition_count": [world_size] * len(groups),
+                   "single_partition_of_fp32_groups": per_rank[r],
+                   "base_optimizer_state": {"state": {g: moments(t) for g, t in enumerate(per_rank[r])}}}
+            torch.save({"optimizer_state_dict": osd}, os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        return
+    chunks = {r: [] for r in range(world_size)}
+    subgroups, current, size = [], [], 0
+    for name, t in params.items():
+        per = -(-t.numel() // world_size)
+        padded = torch.cat([t.reshape(-1), torch.full((per * world_size - t.numel(),), float("nan"))])
+        for r in range(world_size):
+            chunks[r].append((name, padded[r * per:(r + 1) * per]))
+        current.append(name)
+        size += per
+        if size >= sub_group_numel:
+            subgroups.append(current)
+            current, size = [], 0
+    if current:
+        subgroups.append(current)
+    model["param_shapes"] = [OrderedDict((n, params[n].shape) for n in g) for g in subgroups]
+    for r in range(world_size):
+        by_name = dict(chunks[r])
+        flats = [torch.cat([by_name[n] for n in g]) for g in subgroups]
+        torch.save(model, os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+        osd = {"zero_stage": 3, "partition_count": world_size, "fp32_flat_groups": flats,
+               "optimizer_state_dict": {"state": {g: moments(t) for g, t in enumerate(flats)}}}
+        torch.save({"optimizer_state_dict": osd}, os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+
+
+def read_all(src):
+    out = {}
+    for i in src.tensors():
+        t = torch.empty(i.numel, dtype=i.dtype)
+        src.read([ReadRequest(i.name, 0, t)])
+        out[i.name] = t.reshape(i.shape)
+    return out
+
+
+@pytest.mark.parametrize("stage,world_size", [(3, 8), (3, 5), (2, 8), (1, 5), (2, 1), (3, 1)])
+def test_synthetic_layouts(tmp_path, stage, world_size):
+    g = torch.Generator().manual_seed(stage * 10 + world_size)
+    params = {"a": torch.randn(9, generator=g), "b": torch.randn(1, generator=g),
+              "c": torch.randn(3, 5, generator=g), "d": torch.randn(2, generator=g),
+              "e": torch.randn(17, 3, generator=g)}
+    buffers = {"step": torch.tensor([2**53 + 1]), "flag": torch.tensor(True)}
+    write_synthetic(tmp_path, stage, world_size, params, groups=[["a", "b", "c"], ["d", "e"]],
+                    sub_group_numel=4, buffers=buffers)
+    with DeepSpeedSource(str(tmp_path)) as src:
+        got = read_all(src)
+    assert list(got) == ["step", "flag", "a", "b", "c", "d", "e"]
+    for name, want in {**buffers, **params}.items():
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+
+
+def test_synthetic_bad_partition_sizes(tmp_path, capsys):
+    params = {"a": torch.randn(10), "b": torch.randn(7)}
+    write_synthetic(tmp_path, 3, 2, params, sub_group_numel=100)
+    # rank 1 claims one more parameter than it holds
+    path = os.path.join(tmp_path, "global_step1", "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    model = torch.load(path, weights_only=False)
+    model["param_shapes"][0]["z"] = torch.Size([40])
+    for r in range(2):
+        torch.save(model, os.path.join(tmp_path, "global_step1", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+    rc, out = run_cli([str(tmp_path), str(tmp_path / "out")], capsys)
+    assert rc == 2 and "partitions do not match" in out.err and os.path.join(str(tmp_path), "global_step1") in out.err

@@ -185,6 +185,7 @@ class ConsolidateResult:
     total_bytes: int
     aliases: dict[str, str]
     index: dict | None
+    peak_buffer_bytes: int = 0  # most bytes of I/O buffers in use at once
 
 
 def plan_output(source: TensorSource, max_shard_bytes: int,
@@ -231,7 +232,7 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
     os.makedirs(tmp)
     try:
         paths = [os.path.join(tmp, p.filename) for p in plans]
-        _write_files(source, plans, paths, infos, total, window_bytes, depth, progress)
+        peak = _write_files(source, plans, paths, infos, total, window_bytes, depth, progress)
         if index is not None:
             with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
                 f.write(index_text(index))
@@ -241,10 +242,11 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
         _publish(tmp, out_dir, names)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ConsolidateResult(out_dir, names, len(infos), total, dict(source.aliases()), index)
+    return ConsolidateResult(out_dir, names, len(infos), total, dict(source.aliases()), index, peak)
 
 
-def _write_files(source, plans, paths, infos, total, window_bytes, depth, progress) -> None:
+def _write_files(source, plans, paths, infos, total, window_bytes, depth, progress) -> int:
+    """Stream every window into its file; returns the peak bytes of buffers in use."""
     # no bigger than the output needs; at least one element of any dtype plus staging slack
     window_bytes = max(64, min(window_bytes, -(-max(total, 1) // 4096) * 4096)) // 8 * 8
     # Output is written once at offsets the 8-byte-padded header leaves unaligned, so
@@ -342,6 +344,7 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
                 if isinstance(item, tuple):
                     item[1].release()
             reader.join()
+        return pool.peak_in_use
 
 
 def _finish(entry) -> int:

@@ -77,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
         progress = ProgressLine() if sys.stderr.isatty() else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
                              window_bytes=window, progress=progress)
+        shards = sum(f.endswith(".safetensors") for f in result.files)
         print(f"{source.describe()}: wrote {result.tensors} tensors, {result.total_bytes} bytes, "
-              f"{len(result.files)} file(s) to {args.out}"
+              f"{shards} shard(s){' + index' if result.index else ''} to {args.out}"
               + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
                  if result.aliases else ""))
         if args.verify:
