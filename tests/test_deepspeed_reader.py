@@ -187,6 +187,14 @@ def test_zero3_sub_groups_and_offsets():
         zero3_layout([("a", 5), ("b", 4)], [[3, 2], [3, 3]])
 
 
+def test_zero12_parameter_alignment_padding():
+    # a (3) + 1 padding, b (4): flat of 8 over 2 ranks
+    layout = zero12_layout([[("a", 3), ("b", 4)]], [[4], [4]], [[1, 0]])
+    assert [(p.start, p.count, p.src, p.src_offset) for p in layout["b"]] == [(0, 4, (1, 0), 0)]
+    with pytest.raises(LayoutError):
+        zero12_layout([[("a", 3), ("b", 4)]], [[4], [4]], [[1]])
+
+
 def test_zero12_groups_across_ranks():
     # group 0: 7 elements padded to 8 (2*ws, ws=2) -> partitions 4 and 3 saved
     layout = zero12_layout([[("a", 3), ("b", 4)], [("c", 2)]], [[4, 2], [3, 0]])
@@ -281,7 +289,8 @@ def test_record_truncated_inside_data(tmp_path, capsys):
 
 # -- synthetic checkpoints: edge cases real runs rarely hit -------------------------------------------
 
-def write_synthetic(root, stage, world_size, params, groups=None, sub_group_numel=None, buffers=None):
+def write_synthetic(root, stage, world_size, params, groups=None, sub_group_numel=None, buffers=None,
+                    param_align=1):
     """A ZeRO checkpoint laid out the way DeepSpeed lays it out (written independently of the
     reader's arithmetic): ``params`` {name: fp32 tensor}, ``groups`` lists of names (ZeRO-1/2
     param groups), ``sub_group_numel`` (ZeRO-3 per-rank sub-group size)."""
@@ -297,8 +306,17 @@ def write_synthetic(root, stage, world_size, params, groups=None, sub_group_nume
              "frozen_param_shapes": None, "frozen_param_fragments": None, "ds_version": "synthetic"}
     if stage <= 2:
         per_rank = [[] for _ in range(world_size)]
+        paddings = []
         for names in groups:
-            flat = torch.cat([params[n].reshape(-1) for n in names])
+            pieces, pads, offset = [], [], 0
+            for i, n in enumerate(names):  # parameter_alignment: pad after each but the last
+                offset += params[n].numel()
+                pad = 0 if i == len(names) - 1 else -offset % param_align
+                pieces += [params[n].reshape(-1), torch.full((pad,), float("nan"))]
+                pads.append(pad)
+                offset += pad
+            paddings.append(pads)
+            flat = torch.cat(pieces)
             align = 2 * world_size
             padded = -(-flat.numel() // align) * align
             part = padded // world_size
@@ -308,7 +326,7 @@ def write_synthetic(root, stage, world_size, params, groups=None, sub_group_nume
         torch.save(model, os.path.join(tag, "mp_rank_00_model_states.pt"))
         for r in range(world_size):
             osd = {"zero_stage": stage, "partition_count": [world_size] * len(groups),
-                   "single_partition_of_fp32_groups": per_rank[r],
+                   "single_partition_of_fp32_groups": per_rank[r], "param_alignment_paddings": paddings,
                    "base_optimizer_state": {"state": {g: moments(t) for g, t in enumerate(per_rank[r])}}}
             torch.save({"optimizer_state_dict": osd}, os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
         return
@@ -345,15 +363,16 @@ def read_all(src):
     return out
 
 
-@pytest.mark.parametrize("stage,world_size", [(3, 8), (3, 5), (2, 8), (1, 5), (2, 1), (3, 1)])
-def test_synthetic_layouts(tmp_path, stage, world_size):
+@pytest.mark.parametrize("stage,world_size,align", [(3, 8, 1), (3, 5, 1), (2, 8, 1), (1, 5, 1), (2, 1, 1),
+                                                    (3, 1, 1), (2, 3, 4), (1, 2, 16)])
+def test_synthetic_layouts(tmp_path, stage, world_size, align):
     g = torch.Generator().manual_seed(stage * 10 + world_size)
     params = {"a": torch.randn(9, generator=g), "b": torch.randn(1, generator=g),
               "c": torch.randn(3, 5, generator=g), "d": torch.randn(2, generator=g),
               "e": torch.randn(17, 3, generator=g)}
     buffers = {"step": torch.tensor([2**53 + 1]), "flag": torch.tensor(True)}
     write_synthetic(tmp_path, stage, world_size, params, groups=[["a", "b", "c"], ["d", "e"]],
-                    sub_group_numel=4, buffers=buffers)
+                    sub_group_numel=4, buffers=buffers, param_align=align)
     with DeepSpeedSource(str(tmp_path)) as src:
         got = read_all(src)
     assert list(got) == ["step", "flag", "a", "b", "c", "d", "e"]

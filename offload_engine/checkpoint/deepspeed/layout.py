@@ -4,10 +4,12 @@ Every function returns, per tensor, a list of ``Piece``: a run of the tensor's f
 elements held contiguously by one source tensor (a rank's flat group or fragment). The
 caller maps each source key to file bytes. Counts and offsets are in elements.
 
-ZeRO-1/2 (``stage_1_and_2.py``): a param group is flattened in ``param_shapes`` order,
-padded at the tail to a multiple of 2*world_size, cut into world_size equal partitions,
-and each rank saves its partition without the padding. So the concatenation over ranks is
-the unpadded flat group and a parameter is ``flat[off : off + numel]``.
+ZeRO-1/2 (``stage_1_and_2.py``): a param group is flattened in ``param_shapes`` order
+(with ``parameter_alignment``, each parameter but the last followed by
+``param_alignment_paddings[g][i]`` elements of padding), padded at the tail to a multiple
+of 2*world_size, cut into world_size equal partitions, and each rank saves its partition
+without the tail padding. So the concatenation over ranks is the flat group and a
+parameter is ``flat[off : off + numel]``.
 
 ZeRO-3 (``partition_parameters.py``): each parameter is partitioned on its own into
 ``P = ceil(numel / world_size)`` elements per rank, the tail padding on the last rank(s).
@@ -68,12 +70,16 @@ def concat_pieces(start: int, count: int, parts: Sequence[tuple[Hashable, int]])
 
 
 def zero12_layout(group_params: Sequence[Sequence[tuple[str, int]]],
-                  partition_numels: Sequence[Sequence[int]]) -> dict[str, list[Piece]]:
+                  partition_numels: Sequence[Sequence[int]],
+                  param_paddings: Sequence[Sequence[int]] | None = None) -> dict[str, list[Piece]]:
     """ZeRO-1/2 trainable parameters.
 
     Args:
         group_params: per param group, [(name, numel)] in ``param_shapes`` order.
         partition_numels: ``[rank][group]`` numel of ``single_partition_of_fp32_groups``.
+        param_paddings: ``[group][param]`` elements of padding after each parameter
+            (``param_alignment_paddings``, DeepSpeed >= 0.19 with ``parameter_alignment``);
+            None: parameters are back to back.
 
     Source keys are ``(rank, group)``.
     """
@@ -83,13 +89,16 @@ def zero12_layout(group_params: Sequence[Sequence[tuple[str, int]]],
     for g, params in enumerate(group_params):
         parts = [((r, g), partition_numels[r][g]) for r in range(world_size)]
         avail = sum(n for _, n in parts)
+        pads = param_paddings[g] if param_paddings is not None else [0] * len(params)
+        if len(pads) != len(params):
+            raise LayoutError(f"param group {g}: {len(pads)} alignment paddings for {len(params)} parameters")
         offset = 0
-        for name, numel in params:
+        for (name, numel), pad in zip(params, pads):
             if offset + numel > avail:
                 raise LayoutError(f"param group {g}: {name} needs elements up to {offset + numel}, "
                                   f"but the {world_size} rank partitions hold {avail}")
             out[name] = concat_pieces(offset, numel, parts)
-            offset += numel
+            offset += numel + pad
         # DeepSpeed pads each group to a multiple of 2*world_size; what remains may differ
         # from what was consumed only within that alignment (zero_to_fp32's own check).
         if math.ceil(offset / align) != math.ceil(avail / align):

@@ -207,7 +207,10 @@ class DeepSpeedSource:
                     if len(lst) != len(params):
                         raise DeepSpeedLayoutError(f"{pt.path}: {len(lst)} fp32 partitions but the model "
                                                    f"states list {len(params)} param groups")
-                layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in flats])
+                pads = _optimizer_state(home).get("param_alignment_paddings")
+                if pads is not None and not any(any(p) for p in pads):
+                    pads = None  # all zero: the common case, parameters back to back
+                layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in flats], pads)
             else:
                 merged = [p for g in params for p in g]
                 layout = zero3_layout(merged, [[ref.numel for ref in lst] for lst in flats])
