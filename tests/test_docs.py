@@ -1,0 +1,25 @@
+"""The Python examples in docs/ run as written."""
+
+import os
+import re
+
+import pytest
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+
+
+def python_blocks(name):
+    with open(os.path.join(DOCS, name)) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), re.S)
+
+
+@pytest.mark.parametrize("doc", ["store.md"])
+def test_python_examples_run(doc, capsys):
+    blocks = python_blocks(doc)
+    assert blocks, f"{doc} has no python example"
+    for code in blocks:
+        exec(compile(code, doc, "exec"), {})
+    out = capsys.readouterr().out
+    if doc == "store.md":
+        assert "step 1: read 393216 B, wrote 393216 B" in out
+        assert "[2.71 2.71 2.71 2.71]" in out
