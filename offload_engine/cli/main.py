@@ -24,7 +24,9 @@ class UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload-engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="offload-engine",
+        description="Optimizer-state offload engine: benchmarks, checkpoint tools and the demo.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
