@@ -173,6 +173,15 @@ def test_rerun_replaces_stale_shards(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 
 
+def test_stale_temporary_folder_is_removed(tmp_path, capsys):
+    out = tmp_path / "out"
+    stale = out / ".consolidate-tmp-999999999"  # no such process
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    assert main(["consolidate", os.path.join(FIXTURES, "zero2_w3_fp32"), str(out)]) == 0
+    assert os.listdir(out) == ["model.safetensors"]
+
+
 def test_bad_options(tmp_path, capsys):
     src = os.path.join(FIXTURES, "zero2_w3_fp32")
     assert main(["consolidate", src, str(tmp_path / "o"), "--max-shard-size", "lots"]) == 2

@@ -122,6 +122,27 @@ def test_tensors_are_references_not_data():
     assert flat[0].attrs == {"ds_id": "0_3"}
 
 
+def test_lazy_tensor_spans_hold_the_right_bytes(tmp_path):
+    base = torch.arange(40, dtype=torch.float32)
+    tagged = torch.arange(6, dtype=torch.float32) * 3
+    tagged.ds_id = "7_9"  # a Python attribute: pickled through _rebuild_from_type_v2
+    objs = {"param": torch.nn.Parameter(torch.linspace(0, 1, 11)), "bf16": torch.randn(3, 4).to(torch.bfloat16),
+            "view": base[10:22].view(3, 4), "scalar": torch.tensor(5, dtype=torch.int64), "tagged": tagged,
+            "mask": torch.tensor([True, False])}
+    path = tmp_path / "t.pt"
+    torch.save(objs, path)
+    pt = load_pt(path)
+    raw = path.read_bytes()
+    for name, want in objs.items():
+        ref = pt.obj[name]
+        assert isinstance(ref, TensorRef) and ref.shape == tuple(want.shape) and ref.dtype == want.dtype, name
+        offset, nbytes = pt.tensor_span(ref)
+        got = torch.frombuffer(bytearray(raw[offset:offset + nbytes]), dtype=ref.dtype).reshape(ref.shape)
+        assert torch.equal(got, want.detach()), name
+    assert pt.obj["tagged"].attrs == {"ds_id": "7_9"}
+    assert pt.obj["view"].offset == 10
+
+
 # -- only the fp32 master bytes are read ---------------------------------------------------------
 
 def _moment_spans(pt):

@@ -227,8 +227,8 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
     plans, index, infos = plan_output(source, max_shard_bytes, dtype)
     total = sum(p.data_bytes for p in plans)
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".consolidate-tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale_temps(out_dir)
+    tmp = os.path.join(out_dir, f"{_TMP_PREFIX}{os.getpid()}")
     os.makedirs(tmp)
     try:
         paths = [os.path.join(tmp, p.filename) for p in plans]
@@ -354,6 +354,26 @@ def _finish(entry) -> int:
     finally:
         buf.release()
     return win.nbytes
+
+
+_TMP_PREFIX = ".consolidate-tmp-"
+
+
+def _remove_stale_temps(out_dir: str) -> None:
+    """Remove temporary folders that runs killed mid-way left (their process is gone)."""
+    for name in os.listdir(out_dir):
+        if not name.startswith(_TMP_PREFIX):
+            continue
+        try:
+            pid = int(name[len(_TMP_PREFIX):])
+            if pid != os.getpid():
+                os.kill(pid, 0)
+                continue  # another live run owns it
+        except (ValueError, ProcessLookupError):
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def _publish(tmp: str, out_dir: str, names: list[str]) -> None:

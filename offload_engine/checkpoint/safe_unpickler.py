@@ -186,6 +186,15 @@ _STORAGE_DTYPES = {
 _DTYPE_NAMES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
 
 
+class _TypeMarker:
+    """What ``torch.Tensor`` / ``torch.nn.Parameter`` resolve to: they only appear as the
+    ``new_type`` argument of ``_rebuild_from_type_v2``, which ignores it. A marker, not the
+    class, so a pickle cannot call them (allocate tensors) on its own."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
 class _StorageMarker:
     """What ``torch.FloatStorage`` and friends resolve to: only their dtype matters."""
 
@@ -202,9 +211,9 @@ _ALLOWED = {
     ("builtins", "complex"): complex,
     ("builtins", "bytearray"): bytearray,
     ("torch", "Size"): torch.Size,
-    ("torch", "Tensor"): torch.Tensor,
+    ("torch", "Tensor"): _TypeMarker("torch.Tensor"),
     ("torch", "device"): torch.device,
-    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    ("torch.nn.parameter", "Parameter"): _TypeMarker("torch.nn.parameter.Parameter"),
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,

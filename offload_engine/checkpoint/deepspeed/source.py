@@ -100,6 +100,11 @@ class DeepSpeedSource:
             raise DeepSpeedLayoutError(f"{self._models[0].path}: not a DeepSpeed model states file "
                                        f"(no 'param_shapes' / 'module')")
         self.ds_version = model0.get("ds_version")
+        if model0.get("ds_autoep_layers") or model0.get("autoep_layers"):
+            # expert parameters are partitioned over expert groups, not the data-parallel
+            # world: merging them like the rest would give wrong tensors
+            raise DeepSpeedLayoutError(f"{self._models[0].path}: expert-parallel (AutoEP) "
+                                       f"checkpoints are not supported")
 
         self._infos: list[TensorInfo] = []
         self._segments: dict[str, list[_Segment]] = {}
