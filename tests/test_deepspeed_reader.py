@@ -412,3 +412,13 @@ def test_synthetic_bad_partition_sizes(tmp_path, capsys):
         torch.save(model, os.path.join(tmp_path, "global_step1", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
     rc, out = run_cli([str(tmp_path), str(tmp_path / "out")], capsys)
     assert rc == 2 and "partitions do not match" in out.err and os.path.join(str(tmp_path), "global_step1") in out.err
+
+
+def test_few_descriptors_for_many_rank_files():
+    with DeepSpeedSource(os.path.join(FIXTURES, "zero3_w4_bf16")) as src:
+        want = read_all(src)
+    with DeepSpeedSource(os.path.join(FIXTURES, "zero3_w4_bf16")) as src:
+        src.reader.max_open = 1
+        got = read_all(src)
+        assert len(src.reader._fds) <= 1
+    assert all(torch.equal(got[n], want[n]) for n in want)

@@ -12,6 +12,7 @@ not ask for (Adam moments) are never read. Files are read in parallel, one task 
 from __future__ import annotations
 
 import bisect
+import collections
 import concurrent.futures
 import errno
 import os
@@ -41,16 +42,19 @@ class ScatterReader:
             never be read (records of storages nobody asked for).
         max_gap: largest hole (bytes) bridged through the sink inside one ``preadv``.
         threads: parallel runs in flight.
+        max_open: idle file descriptors kept open.
     """
 
     def __init__(self, paths: list[str], forbidden: list[list[tuple[int, int]]],
-                 max_gap: int = 64 * 1024, threads: int = 8):
+                 max_gap: int = 64 * 1024, threads: int = 8, max_open: int = 128):
         self.paths = list(paths)
         self._forbidden_starts = [[s for s, _ in spans] for spans in forbidden]
         self._forbidden = forbidden
         self.max_gap = max_gap
         self._sink = bytearray(max_gap)  # contents never used; concurrent writes are harmless
-        self._fds: dict[int, int] = {}
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._users: dict[int, int] = {}
+        self.max_open = max_open
         self._fd_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads),
                                                            thread_name_prefix="oe-ds-read")
@@ -66,6 +70,8 @@ class ScatterReader:
             self._run(*runs[0])
             return
         futures = [self._pool.submit(self._run, *run) for run in runs]
+        # all finish before any error is raised: the caller may free the destination buffers
+        concurrent.futures.wait(futures)
         for f in futures:
             f.result()
 
@@ -99,7 +105,9 @@ class ScatterReader:
             return True
         return self._forbidden[file][i - 1][1] <= start  # that span ends before the hole
 
-    def _fd(self, file: int) -> int:
+    def _acquire_fd(self, file: int) -> int:
+        """A descriptor of ``file``, cached; at most ``max_open`` idle ones stay open (a
+        ZeRO-3 run of 1024 ranks has 2048 files, more than a default ulimit)."""
         with self._fd_lock:
             fd = self._fds.get(file)
             if fd is None:
@@ -109,11 +117,30 @@ class ScatterReader:
                 except OSError as e:
                     raise FileIOError(e.errno, "open", path) from e
                 self._fds[file] = fd
+            self._fds.move_to_end(file)
+            self._users[file] = self._users.get(file, 0) + 1
             return fd
 
+    def _release_fd(self, file: int) -> None:
+        with self._fd_lock:
+            self._users[file] -= 1
+            if len(self._fds) <= self.max_open:
+                return
+            for f in list(self._fds):
+                if len(self._fds) <= self.max_open:
+                    break
+                if not self._users.get(f):
+                    os.close(self._fds.pop(f))
+
     def _run(self, file: int, offset: int, iov: list[memoryview]) -> None:
+        fd = self._acquire_fd(file)
+        try:
+            self._read_run(file, fd, offset, iov)
+        finally:
+            self._release_fd(file)
+
+    def _read_run(self, file: int, fd: int, offset: int, iov: list[memoryview]) -> None:
         path = self.paths[file]
-        fd = self._fd(file)
         total = sum(len(v) for v in iov)
         if self.trace is not None:
             with self._stats_lock:
