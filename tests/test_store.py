@@ -383,3 +383,19 @@ def test_random_operations_match_an_in_memory_model(ops, budget, depth):
                 assert torch.equal(h.tensor, model[name][h.start:h.stop]), f"{name} bucket {i} after reopen"
                 s.release(h)
         s.close()
+
+
+def test_manifest_lists_arrays_and_keeps_optimizer_entries(tmp_path):
+    from offload_engine.layout import read_group
+
+    with make_store(tmp_path) as s:
+        s.register("rank0/m", torch.float32, 3000)
+        s.update_manifest({"world_size": 2, "tensors": {"w": {"shape": [2, 3]}}})
+        with pytest.raises(ValueError, match="belong to the store"):
+            s.update_manifest({"arrays": {}})
+    attrs = read_group(str(tmp_path))
+    assert attrs["format"] == "offload-engine-store"
+    assert attrs["arrays"]["rank0/m"]["numel"] == 3000 and attrs["world_size"] == 2
+    with make_store(tmp_path) as s:  # reopening keeps the optimizer's entries
+        s.register("rank0/m2", torch.float32, 10)
+    assert read_group(str(tmp_path))["tensors"] == {"w": {"shape": [2, 3]}}

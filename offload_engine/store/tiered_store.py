@@ -102,6 +102,10 @@ class TieredStore:
             else:
                 create_group(self.root, {"format": FORMAT, "format_version": FORMAT_VERSION, "arrays": {}})
         self._arrays: dict[str, _Array] = {}
+        self._manifest_extra: dict = {}
+        if self.root is not None:
+            known = {"format", "format_version", "arrays", "stripes"}
+            self._manifest_extra = {k: v for k, v in read_group(self.root).items() if k not in known}
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._resident: set[Bucket] = set()
@@ -212,8 +216,21 @@ class TieredStore:
         arrays = {a.name: {"dtype": torch_to_zarr(a.dtype), "numel": a.numel, "home": a.home,
                            "bucket_elems": a.bucket_elems}
                   for a in self._arrays.values() if a.home == "nvme"}
-        write_group_attributes(self.root, {"format": FORMAT, "format_version": FORMAT_VERSION,
+        write_group_attributes(self.root, {**self._manifest_extra, "format": FORMAT,
+                                           "format_version": FORMAT_VERSION,
                                            "arrays": arrays, "stripes": self._stripes})
+
+    def update_manifest(self, entries: dict) -> None:
+        """Merge ``entries`` (JSON-serialisable) into the store's manifest (the group
+        attributes, docs/format.md), e.g. the optimizer's ``tensors``, ``world_size`` and
+        ``step``; rewritten atomically. The store's own keys cannot be overridden."""
+        reserved = {"format", "format_version", "arrays", "stripes"} & set(entries)
+        if reserved:
+            raise ValueError(f"manifest keys {sorted(reserved)} belong to the store")
+        with self._lock:
+            self._manifest_extra.update(entries)
+            if self.root is not None:
+                self._write_manifest()
 
     def bucket_ranges(self, name: str) -> list[tuple[int, int]]:
         """The [start, stop) element ranges of ``name``'s buckets, in order."""
