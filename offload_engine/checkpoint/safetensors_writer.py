@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..units import parse_bytes
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # what a previous export into the same folder may have left (removed before publishing)
@@ -43,23 +45,10 @@ DTYPE_CODES = {
     torch.complex64: "C64",
 }
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(text: str | int) -> int:
-    """Bytes from "5GB" (decimal, 5*10**9, as Hugging Face counts), "500MB", "1GiB"
-    (binary), "1KB" or a plain number of bytes. Units are case-insensitive."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB, 1GiB, 4096)")
-        value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-        if value != int(value):
-            raise ValueError(f"size {text!r} is not a whole number of bytes")
-        value = int(value)
+    """A positive byte count: "5GB" (decimal, 5*10**9, as Hugging Face counts), "500MB",
+    "1GiB" (binary) or a plain number of bytes (see ``offload_engine.units``)."""
+    value = parse_bytes(text)
     if value <= 0:
         raise ValueError(f"shard size must be positive, got {text!r}")
     return value
