@@ -108,15 +108,19 @@ def test_range_errors_are_clear(tmp_path):
             s.acquire("x", 0)
 
 
+def written_and_evicted(s, name):
+    """One step over all 10 buckets, flushed, then buckets 0-4 pushed out of the pool."""
+    run_steps(s, name, 1)
+    s.flush()
+    for i in range(5, 10):
+        s.release(s.acquire(name, i))
+    s.stats(reset=True)
+
+
 def test_two_acquires_of_one_bucket_share_one_read(tmp_path):
     with make_store(tmp_path) as s:
         s.register("m", torch.float32, 10 * B // 4)
-        run_steps(s, "m", 1)
-        s.flush()
-        # evict everything by touching other buckets, then read bucket 0 twice at once
-        for i in range(5, 10):
-            s.release(s.acquire("m", i))
-        s.stats(reset=True)
+        written_and_evicted(s, "m")
         a = s.acquire("m", 0)
         b = s.acquire("m", 0)
         assert a.tensor.data_ptr() == b.tensor.data_ptr()
@@ -128,11 +132,7 @@ def test_two_acquires_of_one_bucket_share_one_read(tmp_path):
 def test_prefetch_then_acquire_is_a_hit(tmp_path):
     with make_store(tmp_path) as s:
         s.register("m", torch.float32, 10 * B // 4)
-        run_steps(s, "m", 1)
-        s.flush()
-        for i in range(5, 10):
-            s.release(s.acquire("m", i))
-        s.stats(reset=True)
+        written_and_evicted(s, "m")
         s.prefetch([("m", 0), ("m", (B // 4, B // 4 + 5))])
         for i in (0, 1):
             s.release(s.acquire("m", i))

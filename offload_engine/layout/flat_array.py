@@ -27,7 +27,7 @@ from ..io.align import as_byte_view
 from . import dtypes
 from .metadata import (PAGE, ArrayMetadata, ForeignArrayError, MetadataError,
                        NodeNotFoundError, fsync_dir, metadata_path, new_array_doc, parse_array,
-                       read_node, write_json_atomic)
+                       json_attributes, read_node, write_json_atomic)
 
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 64 * MiB
@@ -92,7 +92,7 @@ class FlatArray:
         # cost a 64 MiB file, since edge chunks are stored at full size.
         array_bytes = max(numel * element.itemsize, 1)
         chunk_bytes = min(chunk_bytes, -(-array_bytes // PAGE) * PAGE)
-        attributes = _json_attributes(attributes or {}, path)
+        attributes = json_attributes(attributes or {}, f"array {path}")
         if not isinstance(dimension_name, str) or not dimension_name:
             raise ValueError(f"array {path}: dimension_name must be a non-empty string, "
                              f"got {dimension_name!r}")
@@ -284,7 +284,7 @@ class FlatArray:
                              f"open it with mode='r+' to update attributes")
         doc = dict(self._meta.doc)
         doc["attributes"] = {**self._meta.attributes,
-                             **_json_attributes(attributes, self.path)}
+                             **json_attributes(attributes, f"array {self.path}")}
         write_json_atomic(self._meta.file, doc)
         self._meta.doc = doc
 
@@ -418,18 +418,6 @@ def _count(value, name: str, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"array {path}: {name} must be a non-negative integer, got {value!r}")
     return int(value)
-
-
-def _json_attributes(attributes, path: str) -> dict:
-    """A copy of ``attributes``, checked to be a dict that strict JSON can hold."""
-    if not isinstance(attributes, dict):
-        raise ValueError(f"array {path}: attributes must be a dict, got "
-                         f"{type(attributes).__name__}")
-    try:
-        json.dumps(attributes, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"array {path}: attributes are not JSON-serialisable: {e}") from None
-    return dict(attributes)
 
 
 def _fill(view: memoryview, element_bytes: bytes) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from .metadata import (MetadataError, NodeNotFoundError, metadata_path, read_node,
+from .metadata import (MetadataError, NodeNotFoundError, json_attributes, metadata_path, read_node,
                        write_json_atomic)
 
 
@@ -26,7 +26,7 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
     are replaced when ``attributes`` is given. An existing array is always an error.
     """
     path = os.fspath(path)
-    attributes = None if attributes is None else _json_attributes(attributes, path)
+    attributes = None if attributes is None else json_attributes(attributes, f"group {path}")
     if os.path.exists(metadata_path(path)):
         doc = read_node(path, "group")
         if doc["node_type"] != "group":
@@ -56,7 +56,7 @@ def write_group_attributes(path: str | os.PathLike, attributes: dict) -> None:
     Other fields of zarr.json are kept as they are.
     """
     doc = _read_group_doc(path)
-    doc["attributes"] = _json_attributes(attributes, os.fspath(path))
+    doc["attributes"] = json_attributes(attributes, f"group {os.fspath(path)}")
     write_json_atomic(metadata_path(path), doc)
 
 
@@ -90,18 +90,6 @@ def _read_group_doc(path) -> dict:
     if doc["node_type"] != "group":
         raise MetadataError(f"{metadata_path(path)} describes an array, not a group")
     return doc
-
-
-def _json_attributes(attributes, path: str) -> dict:
-    """A copy of ``attributes``, checked to be a dict that strict JSON can hold."""
-    if not isinstance(attributes, dict):
-        raise ValueError(f"group {path}: attributes must be a dict, got "
-                         f"{type(attributes).__name__}")
-    try:
-        json.dumps(attributes, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"group {path}: attributes are not JSON-serialisable: {e}") from None
-    return dict(attributes)
 
 
 __all__ = ["NodeNotFoundError", "create_group", "list_arrays", "list_children", "list_groups",

@@ -282,3 +282,15 @@ def _direct_problem(path: str, codecs, element: ElementType) -> str | None:
     if endian not in (None, "little", "big"):
         raise MetadataError(f"{file}: bytes codec endian {endian!r} is not 'little' or 'big'")
     return None
+
+
+def json_attributes(attributes, what: str) -> dict:
+    """A copy of ``attributes``, checked to be a dict that strict JSON can hold; errors
+    start with ``what`` (e.g. "array /x" or "group /y")."""
+    if not isinstance(attributes, dict):
+        raise ValueError(f"{what}: attributes must be a dict, got {type(attributes).__name__}")
+    try:
+        json.dumps(attributes, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: attributes are not JSON-serialisable: {e}") from None
+    return dict(attributes)
