@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from offload_engine.io import page_cache
+
 from offload_engine.cli import bench_io
 from offload_engine.cli.main import main
 
@@ -171,6 +173,6 @@ def test_tools_script_prints_json(disk_dir):
 def test_eviction_leaves_nothing_cached(disk_dir):
     path = disk_dir / "f"
     path.write_bytes(os.urandom(1 << 20))  # through the page cache
-    if bench_io.resident_bytes([str(path)]) == 0:
+    if page_cache.resident_bytes([str(path)]) == 0:
         pytest.skip("this file system does not keep written pages cached")
-    assert bench_io.evict_and_check([str(disk_dir)]) == 0
+    assert page_cache.evict_and_check([str(disk_dir)]) == 0

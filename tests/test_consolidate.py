@@ -2,14 +2,13 @@
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from offload_engine.checkpoint.consolidate import (ReadRequest, TensorInfo, consolidate, output_dtype,
+from offload_engine.checkpoint.consolidate import (TensorInfo, consolidate, output_dtype,
                                                    verify_output)
 from offload_engine.checkpoint.deepspeed import DeepSpeedSource
 from offload_engine.checkpoint.safetensors_writer import (OutTensor, parse_size, plan_files,

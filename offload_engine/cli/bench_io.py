@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..io import ALIGN, AsyncFileIO, BufferPool
+from ..io.page_cache import evict_and_check, sync_tree
 from ..layout import FlatArray
 from ..units import format_bytes, parse_bytes
 
@@ -385,77 +386,6 @@ def fill_pattern(dst: np.ndarray, seed: int) -> None:
         words ^= np.uint32((seed * 40503 + 0x9E3779B9) & 0xFFFFFFFF)
         words |= np.uint32(0x01010101)  # no zero byte anywhere
         dst[off:off + n] = words.view(np.uint8)[:n]
-
-
-def evict_and_check(paths) -> int:
-    """``evict`` then ``resident_bytes``: what is still cached (should be 0)."""
-    paths = list(paths)
-    evict(paths)
-    return resident_bytes(paths)
-
-
-def evict(paths) -> None:
-    """Drop files from the page cache: fdatasync (DONTNEED skips dirty pages), then
-    posix_fadvise(POSIX_FADV_DONTNEED). Directories are walked."""
-    for path in paths:
-        if os.path.isdir(path):
-            for root, _dirs, files in os.walk(path):
-                evict(os.path.join(root, f) for f in files)
-            continue
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_bytes(paths) -> int:
-    """Bytes of ``paths`` (files; directories are walked) now in the page cache (mincore)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = mmap.PAGESIZE
-    total = 0
-    for path in paths:
-        if os.path.isdir(path):
-            total += resident_bytes(os.path.join(root, f)
-                                    for root, _dirs, files in os.walk(path) for f in files)
-            continue
-        size = os.path.getsize(path)
-        if not size:
-            continue
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), "mmap failed", path)
-            try:
-                vec = (ctypes.c_ubyte * (-(-size // page)))()
-                if libc.mincore(addr, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), "mincore failed", path)
-                total += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
-
-
-def sync_tree(path: str) -> None:
-    """fdatasync every file under ``path`` and fsync every directory in it."""
-    for root, _dirs, files in os.walk(path):
-        for name in files + ["."]:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd) if name == "." else os.fdatasync(fd)
-            finally:
-                os.close(fd)
 
 
 def probe_direct(directory: str) -> bool:

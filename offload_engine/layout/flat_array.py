@@ -14,7 +14,6 @@ zarr-python (slow, correct) and refused for writing; anything else is refused at
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import threading

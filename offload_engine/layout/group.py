@@ -7,7 +7,6 @@ attributes, rewritten atomically so a reader sees the old or the new manifest, n
 
 from __future__ import annotations
 
-import json
 import os
 
 from .metadata import (MetadataError, NodeNotFoundError, json_attributes, metadata_path, read_node,
