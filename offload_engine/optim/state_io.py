@@ -1,0 +1,191 @@
+"""state_dict() and load_state_dict(): the store's flat arrays <-> torch's per-parameter state.
+
+The state dict has torch's shape: ``{"state": {index: {...}}, "param_groups": [...]}``
+with parameters numbered over the groups in order. Muon entries hold ``momentum_buffer``
+(torch's lerp convention, so ``torch.optim.Muon`` continues from it); AdamW entries hold
+``step``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``); with master weights, also
+``master_param``. For a DTensor parameter each tensor is a DTensor with the parameter's
+mesh and Shard(0) placement (this rank's rows, as FSDP2 optimizers do); for a plain
+parameter a plain tensor. Loading accepts either, or a full tensor (cut to this rank's
+rows), so a state dict saved at one world size loads at another through full tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sharding import is_dtensor
+from .state_layout import EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MOMENTUM
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover
+    DTensor, Shard = None, None
+
+
+def state_key(array: str) -> str:
+    """The torch state key an array holds."""
+    for prefix, key in ((MAX_EXP_AVG_SQ, "max_exp_avg_sq"), (EXP_AVG_SQ, "exp_avg_sq"),
+                        (EXP_AVG, "exp_avg"), (MOMENTUM, "momentum_buffer"), (MASTER, "master_param")):
+        if array.startswith(prefix):
+            return key
+    raise KeyError(array)
+
+
+def _local_shape(opt, info) -> tuple[int, ...]:
+    rows = info.rows_per_rank[opt.rank if info.distributed else 0]
+    return (rows, *info.shape[1:]) if info.shape else ()
+
+
+def _pieces(opt, info):
+    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+    return chunk, opt.layout.param_pieces(info.index)
+
+
+def _read_array(opt, info, name: str) -> torch.Tensor:
+    chunk, pieces = _pieces(opt, info)
+    dtype = _array_dtype(chunk, name)
+    out = torch.zeros(chunk.sizes[info.index], dtype=dtype, device=opt.device)
+    for j, seg in pieces:
+        h = opt.store.acquire(opt.array_name(name), chunk.rows[j].buckets[name], device=opt.device)
+        try:
+            out[seg.lo:seg.hi].copy_(h.tensor[seg.offset:seg.offset + seg.hi - seg.lo])
+        finally:
+            opt.store.release(h)
+    return out.view(_local_shape(opt, info))
+
+
+def _array_dtype(chunk, name: str) -> torch.dtype:
+    return torch.float32 if name == MASTER else chunk.state_dtype
+
+
+def _write_array(opt, info, name: str, value: torch.Tensor | None) -> None:
+    """Write this rank's part (flat, right length) or zeros (None) into the store."""
+    chunk, pieces = _pieces(opt, info)
+    for j, seg in pieces:
+        h = opt.store.acquire(opt.array_name(name), chunk.rows[j].buckets[name], device=opt.device)
+        try:
+            dst = h.tensor[seg.offset:seg.offset + seg.hi - seg.lo]
+            if value is None:
+                dst.zero_()
+            else:
+                dst.copy_(value[seg.lo:seg.hi])
+        finally:
+            opt.store.release(h, dirty=True)
+
+
+def _wrap(info, local: torch.Tensor) -> torch.Tensor:
+    p = info.param
+    if not is_dtensor(p):
+        return local
+    return DTensor.from_local(local, p.device_mesh, (Shard(0),), run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def read_state(opt) -> dict:
+    state = {}
+    for info in opt.infos:
+        if info.index not in opt._initialized:
+            continue
+        chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+        entry = {}
+        if info.kind == "adamw":
+            entry["step"] = opt.state[info.param]["step"].clone()
+        for name in chunk.arrays:
+            entry[state_key(name)] = _wrap(info, _read_array(opt, info, name))
+        state[info.index] = entry
+    groups, start = [], 0
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = list(range(start, start + len(g["params"])))
+        start += len(g["params"])
+        groups.append(packed)
+    return {"state": state, "param_groups": groups}
+
+
+def _local_part(opt, info, value: torch.Tensor, key: str) -> torch.Tensor:
+    """This rank's rows of ``value`` as a flat tensor in the state's dtype."""
+    want = _local_shape(opt, info)
+    if is_dtensor(value):
+        loc = value.to_local()
+        if tuple(value.placements) == (Shard(0),) and tuple(loc.shape) == want \
+                and tuple(value.shape) == info.shape:
+            value = loc
+        else:
+            value = value.full_tensor()
+    if tuple(value.shape) == info.shape and info.distributed:
+        lo = info.row_offset(opt.rank)
+        value = value[lo:lo + info.rows_per_rank[opt.rank]]
+    if tuple(value.shape) != want:
+        raise ValueError(f"state {key!r} of parameter {info.name or info.index} has shape "
+                         f"{tuple(value.shape)}; expected the full {info.shape} or this rank's {want}")
+    return value.reshape(-1)
+
+
+def load_state(opt, state_dict: dict) -> None:
+    groups = state_dict["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"loaded state dict has {len(groups)} parameter groups; this optimizer "
+                         f"has {len(opt.param_groups)}")
+    for i, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
+        if len(saved["params"]) != len(mine["params"]):
+            raise ValueError(f"parameter group {i}: loaded state dict has {len(saved['params'])} "
+                             f"parameters, this optimizer {len(mine['params'])}")
+        if "use_muon" in saved and bool(saved["use_muon"]) != mine["use_muon"]:
+            raise ValueError(f"parameter group {i}: use_muon is {saved['use_muon']} in the state "
+                             f"dict and {mine['use_muon']} here")
+    saved_ids = [pid for g in groups for pid in g["params"]]
+    states = state_dict["state"]
+    with torch.no_grad():
+        for info, pid in zip(opt.infos, saved_ids):
+            entry = states.get(pid)
+            chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+            if entry is None:
+                for name in chunk.arrays:
+                    _write_array(opt, info, name, None)
+                opt._initialized.discard(info.index)
+                opt.state.pop(info.param, None)
+                continue
+            for name in chunk.arrays:
+                key = state_key(name)
+                dtype = _array_dtype(chunk, name)
+                if key not in entry:
+                    if key != "master_param":
+                        raise KeyError(f"state of parameter {info.name or info.index} has no {key!r}")
+                    value = _local_part(opt, info, info.param.detach(), key)  # master from the param
+                else:
+                    value = _local_part(opt, info, entry[key], key)
+                _write_array(opt, info, name, value.to(dtype=dtype, device=opt.device))
+            if info.kind == "adamw":
+                if "step" not in entry:
+                    raise KeyError(f"state of parameter {info.name or info.index} has no 'step'")
+                opt.state[info.param]["step"] = torch.tensor(float(entry["step"]),
+                                                             dtype=torch.float32)
+            opt._initialized.add(info.index)
+        for saved, mine in zip(groups, opt.param_groups):
+            for k, v in saved.items():
+                if k not in ("params", "param_names", "use_muon"):
+                    mine[k] = v
+
+
+def split_state_dict(state_dict: dict) -> tuple[dict, dict]:
+    """Split a ZeroMuon state dict into (Muon, AdamW) state dicts that
+    ``torch.optim.Muon`` and ``torch.optim.AdamW`` load for the same parameters (Muon
+    groups in order, then AdamW groups in order; ``master_param`` is dropped). DTensor
+    state stays DTensor: call ``full_tensor()`` on it to load into unsharded optimizers."""
+    out = {flag: {"state": {}, "param_groups": []} for flag in (True, False)}
+    next_id = {True: 0, False: 0}
+    for g in state_dict["param_groups"]:
+        flag = bool(g.get("use_muon"))
+        ids = []
+        for pid in g["params"]:
+            nid = next_id[flag]
+            next_id[flag] += 1
+            if pid in state_dict["state"]:
+                out[flag]["state"][nid] = {k: v for k, v in state_dict["state"][pid].items()
+                                           if k != "master_param"}
+            ids.append(nid)
+        packed = {k: v for k, v in g.items() if k not in ("params", "use_muon")}
+        packed["params"] = ids
+        out[flag]["param_groups"].append(packed)
+    return out[True], out[False]

@@ -1,0 +1,322 @@
+"""ZeroMuon: torch.optim.Muon for matrices and torch.optim.AdamW for the rest, ZeRO-3 style.
+
+Parameters are FSDP2 ``Shard(0)`` DTensors (each rank holds a block of rows) or plain
+tensors. Optimizer state (Muon momentum, Adam moments, optionally fp32 masters) lives in a
+per-rank TieredStore (GPU, pinned CPU or NVMe), never in Python-held tensors. Each step
+reads and writes every state bucket once, prefetched ahead of compute; a Muon matrix's
+Nesterov input travels as bf16 to one owner rank, which runs Newton-Schulz, and the result
+travels back (two all_to_alls per chunk; momentum is never gathered). Results equal
+torch.optim.Muon / torch.optim.AdamW run on the unsharded model, bit for bit, on CPU.
+
+See docs/optim.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..store import StoreConfig, TieredStore
+from .comm import Exchange, plan_chunk
+from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
+from .muon_math import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, NewtonSchulz
+from .owners import assign_owners
+from .param_rules import default_use_muon
+from .pipeline import SLOTS, MuonPipeline, StepContext, StepRunner
+from .sharding import ParamInfo, describe, flat_local, is_dtensor, local_tensor, process_group_of
+from .state_io import load_state, read_state
+from .state_layout import MASTER, build_layout
+from .stats import StepStats
+
+log = logging.getLogger(__name__)
+
+
+class ZeroMuon(torch.optim.Optimizer):
+    """Muon (2-D hidden matrices) + AdamW (everything else) with state in a TieredStore.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``), or
+            group dicts. A group with ``use_muon`` True takes Muon options, False AdamW
+            options; a group without it is split by ``use_muon_rule``.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
+            Muon defaults, exactly those of ``torch.optim.Muon`` (torch 2.13).
+        adamw: AdamW defaults overriding those of ``torch.optim.AdamW`` (``lr=1e-3,
+            betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False``).
+        store: a store config (dict or StoreConfig) from which each rank opens its own
+            TieredStore (``nvme_paths`` get a ``rank{r}`` subfolder), an open TieredStore
+            (yours to close), or None: state in pinned CPU memory, sized to fit.
+        master_weights: keep fp32 master copies of non-fp32 parameters in the store and run
+            the math (and keep the state) in fp32; the parameter gets the rounded result.
+        use_muon_rule: ``f(name, param) -> bool`` for groups without ``use_muon``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+                 eps: float = DEFAULT_EPS, ns_steps: int = DEFAULT_NS_STEPS,
+                 adjust_lr_fn: str | None = None, *, adamw: dict | None = None,
+                 store: StoreConfig | dict | TieredStore | None = None,
+                 master_weights: bool = False, use_muon_rule=default_use_muon):
+        self._ready = False
+        self._muon_defaults = dict(MUON_DEFAULTS, lr=lr, weight_decay=weight_decay,
+                                   momentum=momentum, nesterov=nesterov,
+                                   ns_coefficients=tuple(ns_coefficients), eps=eps,
+                                   ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        unknown = set(adamw or {}) - set(ADAMW_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown AdamW option(s) {sorted(unknown)}")
+        self._adamw_defaults = dict(ADAMW_DEFAULTS, **(adamw or {}))
+        super().__init__(split_groups(params, use_muon_rule), {})
+        self.defaults = dict(self._muon_defaults)
+        self.master_weights = master_weights
+        self._build(store)
+        self._ready = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._ready:
+            raise NotImplementedError("ZeroMuon lays out its state once: pass every parameter "
+                                      "group to the constructor")
+        if "use_muon" not in param_group:
+            raise ValueError("a ZeroMuon parameter group needs use_muon=True or False")
+        fill_defaults(param_group, self._muon_defaults, self._adamw_defaults)
+        super().add_param_group(param_group)
+
+    # -- construction ------------------------------------------------------------------------------
+    def _build(self, store) -> None:
+        infos: list[ParamInfo] = []
+        for group in self.param_groups:
+            kind = "muon" if group["use_muon"] else "adamw"
+            for name, p in iter_named(group):
+                if kind == "muon" and p.ndim != 2:
+                    raise ValueError("Muon only supports 2D parameters whereas we found a "
+                                     f"parameter with size: {p.size()}"
+                                     + (f" ({name})" if name else ""))
+                if not p.is_floating_point():
+                    raise ValueError(f"parameter {name or len(infos)} has dtype {p.dtype}; "
+                                     "only floating point parameters can be optimized")
+                infos.append(ParamInfo(len(infos), p, group, name, kind, tuple(p.shape),
+                                       p.dtype, is_dtensor(p)))
+        devices = {local_tensor(i.param).device for i in infos}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.infos = infos
+        self.group = process_group_of([i.param for i in infos])
+        if self.group is not None:
+            self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        else:
+            self.world, self.rank = 1, 0
+        self.store_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+        cfg = self._store_config(store)
+        describe(infos, self.group, self.world, self.rank,
+                 [int(cfg.alternate_order), int(self.master_weights), cfg.bucket_bytes])
+        master_for = lambda i: self.master_weights and i.dtype != torch.float32
+        self.layout = build_layout(
+            infos, self.rank, cfg.bucket_bytes, master_for=master_for,
+            state_dtype_of=lambda i: torch.float32 if master_for(i) else i.dtype,
+            amsgrad_of=lambda i: i.kind == "adamw" and bool(i.group["amsgrad"]))
+        self._open_store(store, cfg)
+
+        muon_chunks = [c for c in self.layout.chunks if c.kind == "muon"]
+        dist_chunks = [c for c in muon_chunks if c.distributed and self.world > 1]
+        owners = assign_owners([[infos[p].shape for p in c.params] for c in dist_chunks], self.world)
+        owner_of = {c.index: o for c, o in zip(dist_chunks, owners)}
+        self.plans = {c.index: plan_chunk([infos[p] for p in c.params],
+                                          owner_of.get(c.index, [self.rank] * len(c.params)),
+                                          self.rank, self.world, c.distributed)
+                      for c in muon_chunks}
+        self.owner = {p: o for c, os_ in zip(dist_chunks, owners) for p, o in zip(c.params, os_)}
+        plans = list(self.plans.values())
+        self.exchange = Exchange(self.group, self.rank, self.world, SLOTS,
+                                 max((pl.send_numel for pl in plans), default=0),
+                                 max((pl.recv_numel for pl in plans if not pl.local), default=0),
+                                 device=self.device)
+        owned = [m for pl in plans for m in pl.owned]
+        self.ns = NewtonSchulz(max((m.rows * m.cols for m in owned), default=0),
+                               max((min(m.rows, m.cols) for m in owned), default=0), self.device)
+        self._max_segment = max((s.hi - s.lo for c in self.layout.chunks for r in c.rows
+                                 for s in r.segments), default=0)
+        self._scratch: dict = {}
+        self._initialized: set[int] = set()
+        self._forward = self.layout.forward_order()
+        self._store_steps = 0
+        self._order_warned = False
+        self._runner = StepRunner(self)
+        self.last_step_stats: StepStats | None = None
+        self._steps_done = 0
+
+    def _store_config(self, store) -> StoreConfig:
+        if isinstance(store, TieredStore):
+            return store.config
+        if store is None:
+            return StoreConfig.load({"default_home": "cpu"})
+        cfg = store if isinstance(store, StoreConfig) else StoreConfig.load(dict(store))
+        if cfg.nvme_paths:
+            cfg = StoreConfig.load({**cfg.model_dump(), "nvme_paths": [
+                os.path.join(p, f"rank{self.store_rank}") for p in cfg.nvme_paths]})
+        return cfg
+
+    def _open_store(self, store, cfg: StoreConfig) -> None:
+        self.prefix = f"rank{self.store_rank}/"
+        needed = sum(-(-nb // 4096) * 4096 for name, (dt, n) in self.layout.arrays.items()
+                     for nb in _bucket_bytes(n, dt, cfg.bucket_bytes))
+        if store is None:
+            cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, 4096)})
+        self._own_store = not isinstance(store, TieredStore)
+        if self._own_store:
+            for p in cfg.nvme_paths:
+                for name in self.layout.arrays:
+                    if os.path.exists(os.path.join(p, self.prefix + name, "zarr.json")):
+                        raise ValueError(f"{os.path.join(p, self.prefix + name)} holds optimizer "
+                                         "state from an earlier run; give the store an empty "
+                                         "directory (resume with load_state_dict)")
+            self.store = TieredStore(cfg)
+        else:
+            self.store = store
+        try:
+            self._check_budget(cfg, needed)
+            for name, (dtype, numel) in self.layout.arrays.items():
+                self.store.register(self.array_name(name), dtype, numel)
+            self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.forward_order()])
+        except Exception:
+            if self._own_store:
+                self.store.close()
+            raise
+
+    def _check_budget(self, cfg: StoreConfig, total: int) -> None:
+        homes = {n: cfg.homes.get(self.array_name(n), cfg.default_home) for n in self.layout.arrays}
+        if "auto" in homes.values():
+            return  # the store decides; it keeps working room itself
+        pinned = sum(-(-nb // 4096) * 4096 for n, (dt, k) in self.layout.arrays.items()
+                     if homes[n] == "cpu" for nb in _bucket_bytes(k, dt, cfg.bucket_bytes))
+        work = 0
+        if any(h == "nvme" for h in homes.values()):
+            # most buckets held at once: a Muon chunk's momentum bucket while the masters of
+            # three chunks in flight are held, or one AdamW row (2-4 arrays); plus one spare
+            masters = [len(c.rows) for c in self.layout.chunks
+                       if c.kind == "muon" and MASTER in c.arrays]
+            per_row = max((len(c.arrays) for c in self.layout.chunks), default=0)
+            work = (max(SLOTS * max(masters, default=0) + 1, per_row) + 1) * cfg.bucket_bytes
+        if pinned + work > cfg.cpu_budget:
+            raise ValueError(f"store cpu_budget {cfg.cpu_budget} bytes is too small: the state "
+                             f"homed on cpu needs {pinned} bytes and the step's working set on "
+                             f"nvme about {work} more ({total} bytes of state in all)")
+
+    def array_name(self, name: str) -> str:
+        return self.prefix + name
+
+    def scratch(self, what: str, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """A preallocated buffer of ``n`` elements (sized once for the longest segment)."""
+        buf = self._scratch.get((what, dtype))
+        if buf is None:
+            buf = self._scratch[(what, dtype)] = torch.empty(max(self._max_segment, 1), dtype=dtype,
+                                                               device=self.device)
+        return buf[:n]
+
+    # -- the step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step: reads and writes each state bucket once."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        self.exchange.reset_counters()
+        ns_before = self.ns.calls
+        order = self.store.begin_step()
+        reverse = self.store.config.alternate_order and self._store_steps % 2 == 1
+        self._store_steps += 1
+        self._check_order(order, reverse)
+
+        active, params_flat, grads_flat, steps = set(), {}, {}, {}
+        for info in self.infos:
+            p = info.param
+            if p.grad is None:
+                continue
+            if p.grad.dtype != p.dtype:
+                raise ValueError(f"parameter {info.name or info.index}: gradient dtype "
+                                 f"{p.grad.dtype} differs from the parameter's {p.dtype}")
+            active.add(info.index)
+            params_flat[info.index] = flat_local(p, f"parameter {info.name or info.index}")
+            grads_flat[info.index] = flat_local(p.grad, f"gradient of {info.name or info.index}")
+            if info.kind == "adamw":
+                st = self.state[p]
+                if "step" not in st:
+                    st["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                st["step"] += 1
+                steps[info.index] = float(st["step"])
+        ctx = StepContext(reverse, active, active - self._initialized, params_flat, grads_flat, steps)
+        pipe = MuonPipeline(self._runner, ctx)
+        chunks = self.layout.chunks[::-1] if reverse else self.layout.chunks
+        for chunk in chunks:
+            if chunk.kind == "muon":
+                pipe.push(chunk)
+            else:
+                self._runner.adamw_chunk(chunk, ctx)
+                pipe.advance()
+        pipe.drain()
+        self._initialized |= active
+
+        st = self.store.stats(reset=True)
+        self._steps_done += 1
+        self.last_step_stats = StepStats(
+            step=self._steps_done, a2a_bytes_sent=self.exchange.bytes_sent,
+            a2a_bytes_received=self.exchange.bytes_received, a2a_calls=self.exchange.calls,
+            ns_calls=self.ns.calls - ns_before,
+            muon_params=sum(1 for i in active if self.infos[i].kind == "muon"),
+            adamw_params=len(steps), store_bytes_read=dict(st.bytes_read),
+            store_bytes_written=dict(st.bytes_written), store_hits=st.hits,
+            store_misses=st.misses, store_io_wait_s=st.io_wait_s,
+            step_s=time.perf_counter() - t0, comm_wait_s=ctx.comm_wait_s, ns_s=ctx.ns_s)
+        return loss
+
+    def _check_order(self, order, reverse: bool) -> None:
+        if order is None or self._order_warned:
+            return
+        expected = [(self.array_name(n), b) for n, b in (self._forward[::-1] if reverse else self._forward)]
+        if list(order) != expected:
+            self._order_warned = True
+            log.warning("the store's bucket order is not the optimizer's (another user of the "
+                        "store?): prefetching will miss; results are unaffected")
+
+    # -- state dict ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict: per parameter ``momentum_buffer`` (Muon, lerp
+        convention) or ``step``/``exp_avg``/``exp_avg_sq`` (AdamW), plus ``master_param`` with
+        master weights. DTensor parameters get DTensor state (this rank's rows, Shard(0));
+        plain ones plain tensors. Reads the whole state into memory."""
+        return read_state(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what ``state_dict()`` (ours, or torch.optim.Muon/AdamW's for the same
+        parameters) returned; full tensors are cut to this rank's rows."""
+        load_state(self, state_dict)
+
+    # -- lifetime ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Flush and close the store this optimizer opened (a store passed in stays open)."""
+        if getattr(self, "_own_store", False) and self.store is not None:
+            self.store.close()
+        self.store = None if getattr(self, "_own_store", False) else getattr(self, "store", None)
+
+    def __enter__(self) -> "ZeroMuon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _bucket_bytes(numel: int, dtype: torch.dtype, bucket_bytes: int) -> list[int]:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    be = bucket_bytes // itemsize
+    return [(min(s + be, numel) - s) * itemsize for s in range(0, numel, be)]
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
