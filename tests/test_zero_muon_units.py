@@ -1,0 +1,261 @@
+"""ZeroMuon's parts in isolation: the Muon rule, the math against torch's own functions,
+owners, the state layout, and the errors a user can meet. One process, no store I/O
+beyond a few buckets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
+
+from offload_engine.optim import ZeroMuon, default_use_muon
+from offload_engine.optim.adamw_math import adamw_update_
+from offload_engine.optim.muon_math import NewtonSchulz, adjusted_lr, ns_flops
+from offload_engine.optim.owners import assign_owners
+from offload_engine.optim.sharding import ParamInfo
+from offload_engine.optim.state_layout import build_layout
+from zero_muon_harness import MIXED_SHAPES, make_pair, set_grads
+
+
+# -- the rule -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, shape, muon", [
+    ("layers.0.attn.wq.weight", (8, 8), True),
+    ("layers.0.mlp.up.bias", (8,), False),
+    ("model.embed_tokens.weight", (100, 8), False),
+    ("transformer.wte.weight", (100, 8), False),
+    ("transformer.wpe.weight", (100, 8), False),
+    ("lm_head.weight", (100, 8), False),
+    ("model.lm_head.weight", (100, 8), False),
+    ("output.weight", (100, 8), False),             # Llama's top-level head
+    ("_orig_mod.output.weight", (100, 8), False),   # torch.compile prefix
+    ("encoder.layer.0.output.dense.weight", (8, 8), True),  # BERT: not a head
+    ("head.weight", (10, 8), False),
+    ("blocks.0.norm.weight", (8,), False),
+    ("conv.weight", (4, 3, 3, 3), False),
+    (None, (8, 8), True),
+    ("scale", (), False),
+])
+def test_default_use_muon(name, shape, muon):
+    assert default_use_muon(name, torch.empty(shape)) is muon
+
+
+def test_groups_are_split_by_the_rule_and_keep_names():
+    model, _ = make_pair(MIXED_SHAPES, None)
+    with ZeroMuon(model.named_parameters()) as opt:
+        assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+        muon_names = opt.param_groups[0]["param_names"]
+        assert muon_names == [n for n, p in model.named_parameters() if default_use_muon(n, p)]
+        g = opt.param_groups[0]
+        assert (g["lr"], g["weight_decay"], g["momentum"], g["nesterov"], g["eps"], g["ns_steps"],
+                g["adjust_lr_fn"], g["ns_coefficients"]) == (
+            1e-3, 0.1, 0.95, True, 1e-7, 5, None, (3.4445, -4.775, 2.0315))
+        a = opt.param_groups[1]
+        assert (a["lr"], a["betas"], a["eps"], a["weight_decay"], a["amsgrad"]) == (
+            1e-3, (0.9, 0.999), 1e-8, 1e-2, False)
+
+
+def test_explicit_groups_and_errors():
+    w, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    with ZeroMuon([{"params": [w], "use_muon": True, "lr": 0.5},
+                   {"params": [b], "use_muon": False, "betas": (0.5, 0.6)}]) as opt:
+        assert opt.param_groups[0]["lr"] == 0.5 and opt.param_groups[1]["betas"] == (0.5, 0.6)
+        with pytest.raises(NotImplementedError):
+            opt.add_param_group({"params": [nn.Parameter(torch.randn(2, 2))], "use_muon": True})
+    with pytest.raises(ValueError, match="Muon only supports 2D"):
+        ZeroMuon([{"params": [b], "use_muon": True}])
+    with pytest.raises(ValueError, match="Adjust learning rate function"):
+        ZeroMuon([w], adjust_lr_fn="spectral")
+    with pytest.raises(ValueError, match="unknown AdamW option"):
+        ZeroMuon([w], adamw={"betaz": (0.9, 0.9)})
+    with pytest.raises(ValueError, match="foreach=True is not supported"):
+        ZeroMuon([{"params": [b], "use_muon": False, "foreach": True}])
+    with pytest.raises(ValueError, match="Invalid beta"):
+        ZeroMuon([b], adamw={"betas": (1.0, 0.9)})
+
+
+# -- math -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 1), (1, 50), (50, 1), (5, 3), (3, 5), (64, 64), (130, 70), (70, 130)])
+@pytest.mark.parametrize("steps", [0, 1, 5])
+def test_newton_schulz_equals_torch_bitwise(shape, steps):
+    ns = NewtonSchulz(200 * 200, 200)
+    coeffs = (3.4445, -4.775, 2.0315)
+    for dtype in (torch.float32, torch.bfloat16):
+        u = torch.randn(shape).to(dtype)
+        want = torch_ns(u.clone(), coeffs, steps, 1e-7)
+        ns.input(*shape).copy_(u)
+        got = ns.run(*shape, coeffs, steps, 1e-7)
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_newton_schulz_never_touches_its_input():
+    """torch's .bfloat16() aliases a bf16 input and normalizes it in place; we copy."""
+    u = torch.randn(6, 4).bfloat16()
+    keep = u.clone()
+    ns = NewtonSchulz(24, 4)
+    ns.input(6, 4).copy_(u)
+    ns.run(6, 4, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    assert torch.equal(u, keep)
+    with pytest.raises(ValueError, match="does not fit"):
+        ns.input(10, 10)
+
+
+def test_adjusted_lr_matches_torch():
+    from torch.optim._muon import _adjust_lr
+    for shape in [(3, 7), (7, 3), (1, 33), (64, 64)]:
+        for fn in (None, "original", "match_rms_adamw"):
+            assert adjusted_lr(0.02, fn, shape) == _adjust_lr(0.02, fn, torch.Size(shape))
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adamw_pieces_equal_torch_single_tensor(amsgrad, maximize):
+    torch.manual_seed(0)
+    p = torch.randn(1000)
+    q = p.clone().requires_grad_()
+    ref = torch.optim.AdamW([q], lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1,
+                            amsgrad=amsgrad, maximize=maximize)
+    m, v, vmax, denom = (torch.zeros(1000) for _ in range(4))
+    for step in range(1, 4):
+        g = torch.randn(1000)
+        q.grad = g.clone()
+        ref.step()
+        for lo, hi in ((0, 333), (333, 334), (334, 1000)):       # pieces, as store buckets cut them
+            adamw_update_(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], vmax[lo:hi], denom[:hi - lo],
+                          step=float(step), lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6,
+                          weight_decay=0.1, amsgrad=amsgrad, maximize=maximize)
+        st = ref.state[q]
+        assert torch.equal(p, q.detach()) and torch.equal(m, st["exp_avg"]) and torch.equal(v, st["exp_avg_sq"])
+
+
+# -- owners and layout ---------------------------------------------------------------------------------
+def test_owners_are_deterministic_and_balanced():
+    shapes = [[(64, 64), (64, 64), (32, 128), (8, 8)], [(256, 64)], [(16, 16)] * 6]
+    a = assign_owners(shapes, 4)
+    assert a == assign_owners(shapes, 4)
+    assert a[0][:2] != [a[0][0]] * 2           # the two big ones go to different ranks
+    loads = [0] * 4
+    for chunk, owners in zip(shapes, a):
+        for s, o in zip(chunk, owners):
+            loads[o] += ns_flops(*s)
+    biggest = max(ns_flops(*s) for c in shapes for s in c)
+    assert max(loads) - min(loads) <= biggest
+    assert assign_owners([[(4, 4)] * 3], 1) == [[0, 0, 0]]
+
+
+def test_layout_chunks_own_whole_buckets_and_cover_every_element():
+    world, bucket = 3, 4096
+    infos = []
+    for i, (name, shape) in enumerate(MIXED_SHAPES.items()):
+        p = torch.empty(shape)
+        info = ParamInfo(i, p, {"amsgrad": False}, name, "muon" if default_use_muon(name, p) else "adamw",
+                         tuple(shape), torch.float32, True)
+        info.row_numel = int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1
+        info.rows_per_rank = [len(c) for c in torch.arange(shape[0]).chunk(world)] + [0] * world
+        info.rows_per_rank = info.rows_per_rank[:world]
+        infos.append(info)
+    for rank in range(world):
+        lay = build_layout(infos, rank, bucket, master_for=lambda i: False,
+                           state_dtype_of=lambda i: torch.float32, amsgrad_of=lambda i: False)
+        seen_buckets = set()
+        for c in lay.chunks:
+            for row in c.rows:
+                for key in row.buckets.items():
+                    assert key not in seen_buckets     # no bucket shared by two chunks
+                    seen_buckets.add(key)
+            for p in c.params:
+                covered = sorted((s.lo, s.hi) for _, s in lay.param_pieces(p))
+                n = infos[p].local_numel(rank)
+                assert sum(hi - lo for lo, hi in covered) == n
+                assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+            assert all(s.offset + s.hi - s.lo <= bucket // 4 for r in c.rows for s in r.segments)
+        kinds = [c.kind for c in lay.chunks]
+        assert set(kinds) == {"muon", "adamw"}
+
+
+# -- store handling ------------------------------------------------------------------------------------
+def test_budget_too_small_and_stale_directory_are_clear_errors(tmp_path):
+    model, ref = make_pair(MIXED_SHAPES, None)
+    with pytest.raises(ValueError, match="cpu_budget .* too small"):
+        ZeroMuon(model.named_parameters(), store={"default_home": "cpu", "cpu_budget": 4096,
+                                                  "bucket_bytes": 4096})
+    cfg = {"nvme_paths": [str(tmp_path)], "bucket_bytes": 4096, "cpu_budget": 8 * 4096}
+    with ZeroMuon(model.named_parameters(), store=cfg) as opt:
+        set_grads(model, ref, 0, 0, 1)
+        opt.step()
+    assert (tmp_path / "rank0" / "rank0" / "muon_momentum" / "zarr.json").exists()
+    with pytest.raises(ValueError, match="earlier run"):
+        ZeroMuon(model.named_parameters(), store=cfg)
+
+
+def test_parameters_without_gradients_are_skipped_like_torch():
+    model, ref = make_pair(MIXED_SHAPES, None)
+    from zero_muon_harness import assert_parity, reference_optimizers
+    with ZeroMuon(model.named_parameters(), lr=0.02) as opt:
+        ref_opts = reference_optimizers(ref, dict(lr=0.02), {})
+        for step in range(3):
+            set_grads(model, ref, step, 0, 1)
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                if (n in ("w_odd", "bias")) != (step == 2):   # absent, then present
+                    p.grad = q.grad = None
+            opt.step()
+            for o in ref_opts:
+                o.step()
+            assert_parity(opt, model, ref, ref_opts, 0, 1, f"step {step}")
+
+
+def test_bf16_parameters_state_bitwise_params_within_one_rounding():
+    """bf16 params keep bf16 state, as torch's (zeros_like(grad)); with nesterov=True (torch's
+    nesterov=False aliases and corrupts a bf16 momentum buffer, pytorch#194664) the states
+    agree bit for bit. The last op, ``param.add_(O, alpha)``, rounds once in torch's
+    vectorized kernel but twice in its scalar fallback (taken when O is a transposed view,
+    i.e. for tall matrices, and in loop tails), so a parameter element may differ by one
+    bf16 rounding; each step is checked from equal parameters."""
+    from zero_muon_harness import assert_parity, reference_optimizers
+    model, ref = make_pair(MIXED_SHAPES, None)
+    model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    with ZeroMuon(model.named_parameters(), lr=0.02) as opt:
+        ref_opts = reference_optimizers(ref, dict(lr=0.02), {})
+        for step in range(3):
+            set_grads(model, ref, step, 0, 1)
+            before = {n: p.detach().float().abs() for n, p in model.named_parameters()}
+            opt.step()
+            for o in ref_opts:
+                o.step()
+            with torch.no_grad():
+                for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                    # a + round(alpha * o) vs round(a + alpha * o): within an ulp of the larger
+                    big = torch.maximum(torch.maximum(p.float().abs(), q.float().abs()), before[n])
+                    ulp = torch.exp2(torch.floor(torch.log2(big.clamp(min=1e-30))) - 7)
+                    assert ((p.float() - q.float()).abs() <= ulp).all(), n
+                    if n in ("w_wide", "w_row", "w_short", "embed_tokens", "bias"):
+                        assert torch.equal(p, q), n       # wide or AdamW: one rounding in both
+                    p.copy_(q)
+            assert_parity(opt, model, ref, ref_opts, 0, 1, f"bf16 step {step}")
+        assert opt.layout.arrays.keys() >= {"muon_momentum_bfloat16", "adam_exp_avg_bfloat16"}
+
+
+def test_master_weights_equal_an_fp32_run_rounded(tmp_path):
+    """bf16 params + fp32 masters: the masters follow torch's fp32 math on the upcast bf16
+    gradients exactly, and the bf16 params are the masters rounded."""
+    from zero_muon_harness import reference_optimizers
+    model, ref = make_pair(MIXED_SHAPES, None)
+    model.to(torch.bfloat16)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})  # masters start here
+    # masters of three Muon chunks in flight stay pinned: w_big's alone is 6 buckets
+    cfg = {"nvme_paths": [str(tmp_path)], "bucket_bytes": 4096, "cpu_budget": 21 * 4096}
+    with ZeroMuon(model.named_parameters(), lr=0.02, master_weights=True, store=cfg) as opt:
+        ref_opts = reference_optimizers(ref, dict(lr=0.02), {})
+        for step in range(3):
+            set_grads(model, ref, step, 0, 1)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.grad = p.grad.float()
+            opt.step()
+            for o in ref_opts:
+                o.step()
+            sd = opt.state_dict()
+            for info, (n, q) in zip(opt.infos, ((n, dict(ref.named_parameters())[n]) for n in
+                                                 (i.name for i in opt.infos))):
+                assert torch.equal(sd["state"][info.index]["master_param"], q.detach()), n
+                assert torch.equal(info.param.detach(), q.detach().bfloat16()), n
