@@ -1,0 +1,387 @@
+"""A model as the planner sees it: named parameter shapes, without any weights.
+
+Three inputs, told apart by content (``load_model``):
+
+- a Hugging Face ``config.json`` (families: llama, mistral, qwen2, mixtral, gpt2, gpt_neox):
+  the parameter list ``model.named_parameters()`` would yield, with the same names (tied
+  embeddings appear once, as torch de-duplicates them), computed from the architecture
+  numbers;
+- safetensors: a ``.safetensors`` file (only its header is read: an 8-byte little-endian
+  length, then that many bytes of JSON; a file cut off after its header is fine) or a
+  ``model.safetensors.index.json`` (each shard's header is read the same way);
+- a list of named shapes: JSON ``{"name": [rows, cols], ...}`` or
+  ``[{"name": ..., "shape": [...], "dtype": "bfloat16"}, ...]``.
+
+A directory holding a ``config.json`` (preferred), an index or safetensors files also works.
+Errors are ``ModelInputError`` (a ValueError) with one line that names the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+
+# safetensors dtype names -> ours (zarr names, as docs/format.md uses them)
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+              "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64",
+              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_MAX_HEADER = 100 * 1000 * 1000  # the safetensors crate's own cap
+# an FSDP2 unit: one block of a layer stack (fully_shard is applied per block)
+_BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|layer)\.\d+)\.")
+
+
+class ModelInputError(ValueError):
+    """A model description the planner cannot read: one line naming the file."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its name as ``named_parameters()`` gives it, global shape, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "bfloat16"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class ModelShapes:
+    name: str
+    family: str                   # HF model_type, "safetensors" or "shapes"
+    tensors: list[Tensor]
+    source: str                   # the file it came from
+    tied_embeddings: bool = False
+    notes: list[str] = field(default_factory=list)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def units(self) -> dict[str, int]:
+        """Elements per FSDP2 unit: each layer block (``...layers.N``), and the root (the
+        rest: embeddings, final norm, head), in order of first appearance."""
+        key = ("units", len(self.tensors))
+        if key not in self._cache:
+            out: dict[str, int] = {}
+            for t in self.tensors:
+                m = _BLOCK.match(t.name)
+                unit = m.group(1) if m else "<root>"
+                out[unit] = out.get(unit, 0) + t.numel
+            self._cache[key] = out
+        return dict(self._cache[key])
+
+    def largest_layer(self) -> int:
+        """DeepSpeed's ``largest_layer_params``: the most parameters one module holds itself
+        (not counting its children), a module being the name without its last part."""
+        per: dict[str, int] = {}
+        for t in self.tensors:
+            mod = t.name.rsplit(".", 1)[0] if "." in t.name else ""
+            per[mod] = per.get(mod, 0) + t.numel
+        return max(per.values(), default=0)
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+def load_model(path: str, dtype: str = "bfloat16") -> ModelShapes:
+    """Read ``path`` (a config.json, safetensors file or index, shape list, or a directory
+    holding one). ``dtype`` is the training parameter dtype given to config/shape inputs
+    (safetensors headers carry their own, but training dtype is chosen by the caller)."""
+    if not os.path.exists(path):
+        raise ModelInputError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return _load_dir(path, dtype)
+    if path.endswith(".safetensors"):
+        return from_safetensors([path], name=_stem(path), source=path)
+    doc = _read_json(path)
+    if isinstance(doc, dict) and "weight_map" in doc:
+        return from_index(path, doc)
+    if isinstance(doc, dict) and ("model_type" in doc or "architectures" in doc):
+        return from_hf_config(doc, name=_model_name(path, doc), source=path, dtype=dtype)
+    return from_shape_list(doc, name=_stem(path), source=path, dtype=dtype)
+
+
+def _load_dir(path: str, dtype: str) -> ModelShapes:
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
+        return load_model(cfg, dtype)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        return from_index(index, _read_json(index))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        return from_safetensors([os.path.join(path, f) for f in files],
+                                name=os.path.basename(os.path.abspath(path)), source=path)
+    raise ModelInputError(f"{path}: no config.json, model.safetensors.index.json or "
+                          "*.safetensors in this directory")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ModelInputError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelInputError(f"{path}: not valid JSON: {e}") from None
+
+
+def _stem(path: str) -> str:
+    base = os.path.basename(os.path.abspath(path))
+    for ext in (".safetensors", ".json"):
+        base = base.removesuffix(ext)
+    return base
+
+
+def _model_name(path: str, doc: dict) -> str:
+    name = doc.get("_name_or_path")
+    if isinstance(name, str) and name:
+        return name
+    stem = _stem(path)
+    if stem == "config":
+        return os.path.basename(os.path.dirname(os.path.abspath(path))) or stem
+    return stem
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face config.json
+# --------------------------------------------------------------------------------------------
+def from_hf_config(cfg: dict, name: str = "model", source: str = "<config>",
+                   dtype: str = "bfloat16") -> ModelShapes:
+    """The parameters of ``AutoModelForCausalLM.from_config(cfg)`` by name and shape."""
+    family = cfg.get("model_type")
+    if family is None:
+        raise ModelInputError(f"{source}: config has no 'model_type'; known families: "
+                              f"{', '.join(sorted(FAMILIES))}")
+    builder = FAMILIES.get(family)
+    if builder is None:
+        raise ModelInputError(f"{source}: unknown model family {family!r}; known: "
+                              f"{', '.join(sorted(FAMILIES))} (or pass a safetensors header "
+                              "or a list of shapes)")
+    try:
+        shapes, tied = builder(cfg)
+    except KeyError as e:
+        raise ModelInputError(f"{source}: {family} config lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelInputError(f"{source}: {family} config has a bad value: {e}") from None
+    tensors = [Tensor(n, tuple(int(d) for d in s), dtype) for n, s in shapes]
+    for t in tensors:
+        if any(d < 0 for d in t.shape):
+            raise ModelInputError(f"{source}: {t.name} would have a negative size {t.shape}")
+    return ModelShapes(name, family, tensors, source, tied)
+
+
+def _get(cfg: dict, *keys, default=None):
+    for k in keys:
+        if k in cfg and cfg[k] is not None:
+            return cfg[k]
+    if default is not None:
+        return default
+    raise KeyError(keys[0])
+
+
+def _llama_like(cfg: dict, moe: bool = False, qkv_bias: bool | None = None):
+    h = int(_get(cfg, "hidden_size"))
+    layers = int(_get(cfg, "num_hidden_layers"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    kv = int(_get(cfg, "num_key_value_heads", default=heads))
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    ffn = int(_get(cfg, "intermediate_size"))
+    vocab = int(_get(cfg, "vocab_size"))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    attn_bias = bool(cfg.get("attention_bias", False)) if qkv_bias is None else qkv_bias
+    o_bias = bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv * head_dim),
+                           ("v_proj", kv * head_dim)):
+            out.append((p + f"self_attn.{proj}.weight", (rows, h)))
+            if attn_bias:
+                out.append((p + f"self_attn.{proj}.bias", (rows,)))
+        out.append((p + "self_attn.o_proj.weight", (h, heads * head_dim)))
+        if o_bias:
+            out.append((p + "self_attn.o_proj.bias", (h,)))
+        if moe:
+            experts = int(_get(cfg, "num_local_experts"))
+            out.append((p + "block_sparse_moe.gate.weight", (experts, h)))
+            for e in range(experts):
+                q = p + f"block_sparse_moe.experts.{e}."
+                out += [(q + "w1.weight", (ffn, h)), (q + "w2.weight", (h, ffn)),
+                        (q + "w3.weight", (ffn, h))]
+        else:
+            for proj, shape in (("gate_proj", (ffn, h)), ("up_proj", (ffn, h)),
+                                ("down_proj", (h, ffn))):
+                out.append((p + f"mlp.{proj}.weight", shape))
+                if mlp_bias:
+                    out.append((p + f"mlp.{proj}.bias", (shape[0],)))
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    if not tied:
+        out.append(("lm_head.weight", (vocab, h)))
+    return out, tied
+
+
+def _gpt2(cfg: dict):
+    n = int(_get(cfg, "n_embd", "hidden_size"))
+    layers = int(_get(cfg, "n_layer", "num_hidden_layers"))
+    vocab = int(_get(cfg, "vocab_size"))
+    pos = int(_get(cfg, "n_positions", "max_position_embeddings"))
+    inner = int(cfg.get("n_inner") or 4 * n)
+    tied = bool(cfg.get("tie_word_embeddings", True))
+    out = [("transformer.wte.weight", (vocab, n)), ("transformer.wpe.weight", (pos, n))]
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        # Conv1D stores its weight as (in, out)
+        out += [(p + "ln_1.weight", (n,)), (p + "ln_1.bias", (n,)),
+                (p + "attn.c_attn.weight", (n, 3 * n)), (p + "attn.c_attn.bias", (3 * n,)),
+                (p + "attn.c_proj.weight", (n, n)), (p + "attn.c_proj.bias", (n,)),
+                (p + "ln_2.weight", (n,)), (p + "ln_2.bias", (n,)),
+                (p + "mlp.c_fc.weight", (n, inner)), (p + "mlp.c_fc.bias", (inner,)),
+                (p + "mlp.c_proj.weight", (inner, n)), (p + "mlp.c_proj.bias", (n,))]
+    out += [("transformer.ln_f.weight", (n,)), ("transformer.ln_f.bias", (n,))]
+    if not tied:
+        out.append(("lm_head.weight", (vocab, n)))
+    return out, tied
+
+
+def _gpt_neox(cfg: dict):
+    h = int(_get(cfg, "hidden_size"))
+    layers = int(_get(cfg, "num_hidden_layers"))
+    ffn = int(_get(cfg, "intermediate_size"))
+    vocab = int(_get(cfg, "vocab_size"))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    bias = bool(cfg.get("attention_bias", True))
+    out = [("gpt_neox.embed_in.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"gpt_neox.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "input_layernorm.bias", (h,)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.bias", (h,)),
+                (p + "attention.query_key_value.weight", (3 * h, h))]
+        if bias:
+            out.append((p + "attention.query_key_value.bias", (3 * h,)))
+        out.append((p + "attention.dense.weight", (h, h)))
+        if bias:
+            out.append((p + "attention.dense.bias", (h,)))
+        out += [(p + "mlp.dense_h_to_4h.weight", (ffn, h)), (p + "mlp.dense_h_to_4h.bias", (ffn,)),
+                (p + "mlp.dense_4h_to_h.weight", (h, ffn)), (p + "mlp.dense_4h_to_h.bias", (h,))]
+    out += [("gpt_neox.final_layer_norm.weight", (h,)), ("gpt_neox.final_layer_norm.bias", (h,))]
+    if not tied:
+        out.append(("embed_out.weight", (vocab, h)))
+    return out, tied
+
+
+FAMILIES = {
+    "llama": lambda c: _llama_like(c),
+    "mistral": lambda c: _llama_like(c),
+    "qwen2": lambda c: _llama_like(c, qkv_bias=True),   # q/k/v carry a bias, o_proj not
+    "mixtral": lambda c: _llama_like(c, moe=True),
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors headers
+# --------------------------------------------------------------------------------------------
+def read_safetensors_header(path: str) -> dict:
+    """The JSON header of a safetensors file: only the first 8 + N bytes are read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelInputError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER:
+                raise ModelInputError(f"{path}: not a safetensors file (header length {n} "
+                                      f"exceeds {_MAX_HEADER} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise ModelInputError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) < n:
+        raise ModelInputError(f"{path}: safetensors header cut short ({len(raw)} of {n} bytes)")
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelInputError(f"{path}: safetensors header is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ModelInputError(f"{path}: safetensors header is not a JSON object")
+    return doc
+
+
+def from_safetensors(paths: list[str], name: str, source: str) -> ModelShapes:
+    tensors = []
+    for path in paths:
+        for key, info in read_safetensors_header(path).items():
+            if key == "__metadata__":
+                continue
+            try:
+                shape = tuple(int(d) for d in info["shape"])
+                dtype = _ST_DTYPES.get(info["dtype"], str(info["dtype"]).lower())
+            except (KeyError, TypeError, ValueError):
+                raise ModelInputError(f"{path}: tensor {key!r} has no valid shape/dtype") from None
+            tensors.append(Tensor(key, shape, dtype))
+    if not tensors:
+        raise ModelInputError(f"{source}: no tensors in the safetensors header(s)")
+    return ModelShapes(name, "safetensors", tensors, source,
+                       notes=["shapes from safetensors headers; a tied head stored once counts once"])
+
+
+def from_index(path: str, doc: dict) -> ModelShapes:
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelInputError(f"{path}: 'weight_map' is empty or not an object")
+    folder = os.path.dirname(os.path.abspath(path))
+    shards = list(dict.fromkeys(weight_map.values()))
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        raise ModelInputError(f"{path}: shard {missing[0]} is not next to the index (only its "
+                              "header is read: a file cut after the header is enough)")
+    model = from_safetensors([os.path.join(folder, s) for s in shards],
+                             name=os.path.basename(folder), source=path)
+    wanted = set(weight_map)
+    model.tensors = [t for t in model.tensors if t.name in wanted]
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# a list of named shapes
+# --------------------------------------------------------------------------------------------
+def from_shape_list(doc, name: str = "model", source: str = "<shapes>",
+                    dtype: str = "bfloat16") -> ModelShapes:
+    items = []
+    if isinstance(doc, dict) and isinstance(doc.get("tensors"), (list, dict)):
+        doc = doc["tensors"]
+    if isinstance(doc, dict):
+        items = [(k, v, dtype) for k, v in doc.items()]
+    elif isinstance(doc, list):
+        for i, e in enumerate(doc):
+            if not isinstance(e, dict) or "name" not in e or "shape" not in e:
+                raise ModelInputError(f"{source}: entry {i} needs 'name' and 'shape'")
+            items.append((e["name"], e["shape"], e.get("dtype", dtype)))
+    else:
+        raise ModelInputError(f"{source}: not a model description (a config.json with "
+                              "'model_type', a safetensors index, or a list of named shapes)")
+    tensors = []
+    for key, shape, dt in items:
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ModelInputError(f"{source}: {key!r}: shape must be a list of non-negative "
+                                  f"integers, got {shape!r}")
+        tensors.append(Tensor(str(key), tuple(shape), str(dt)))
+    if not tensors:
+        raise ModelInputError(f"{source}: no tensors listed")
+    return ModelShapes(name, "shapes", tensors, source)
