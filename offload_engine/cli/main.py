@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": "demo",
     "bench": "bench",
     "consolidate": "consolidate",
+    "plan": "plan",
 }
 
 
