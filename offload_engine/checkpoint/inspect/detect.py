@@ -1,0 +1,108 @@
+"""What kind of input a path is, from names and metadata only.
+
+=====================================  ===============================================
+path                                   kind
+=====================================  ===============================================
+dir with zarr.json, format ...-store   ``store`` (a live TieredStore directory)
+dir with zarr.json, format ...-ckpt    ``checkpoint`` (one generation)
+dir with ``latest`` naming a group     ``checkpoint`` (the generation ``latest`` names)
+dir with ``latest`` naming a folder    ``deepspeed`` (the tag folder ``latest`` names)
+  of ``*_optim_states.pt``
+dir of ``*_optim_states.pt``           ``deepspeed`` (that tag folder)
+``*.safetensors``, ``*.index.json``,   ``safetensors``
+  dir of them
+=====================================  ===============================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import InspectError
+from .manifest import FORMATS
+from .zarr_source import read_manifest_attrs
+
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+
+
+def _is_ds_tag(d: str) -> bool:
+    try:
+        return any(_OPTIM.match(f) for f in os.listdir(d))
+    except OSError:
+        return False
+
+
+def _group_format(d: str) -> str | None:
+    if not os.path.isfile(os.path.join(d, "zarr.json")):
+        return None
+    fmt = read_manifest_attrs(d).get("format")
+    return fmt if isinstance(fmt, str) else ""
+
+
+def _read_latest(root: str) -> str:
+    latest = os.path.join(root, "latest")
+    try:
+        with open(latest, encoding="utf-8") as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InspectError(f"{latest}: unreadable ({e})") from None
+    if not name or "/" in name or name in (".", ".."):
+        raise InspectError(f"{latest}: does not name a generation or tag folder ({name!r})")
+    return name
+
+
+def detect(path: str, generation: str | None = None) -> tuple[str, str, str | None]:
+    """``(kind, path to open, generation or tag)``; InspectError when it is none of them."""
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise InspectError(f"{path}: no such file or directory")
+    if os.path.isfile(path):
+        if path.endswith(".safetensors") or path.endswith(".index.json"):
+            return "safetensors", path, None
+        if path.endswith(".pt"):
+            raise InspectError(f"{path}: a single .pt file; pass the DeepSpeed checkpoint folder "
+                               f"(holding 'latest') or its tag folder")
+        raise InspectError(f"{path}: not a safetensors file (*.safetensors) or index "
+                           f"(*.index.json)")
+    if generation is not None:
+        target = os.path.join(path, generation)
+        if not os.path.isdir(target):
+            raise InspectError(f"{target}: generation or tag folder {generation!r} not found")
+        if _group_format(target) == FORMATS["checkpoint"]:
+            return "checkpoint", target, generation
+        if _is_ds_tag(target):
+            return "deepspeed", path, generation
+        raise InspectError(f"{target}: neither a checkpoint generation nor a DeepSpeed tag folder")
+    fmt = _group_format(path)
+    if fmt == FORMATS["store"]:
+        return "store", path, None
+    if fmt == FORMATS["checkpoint"]:
+        return "checkpoint", path, os.path.basename(path)
+    if fmt is not None:
+        raise InspectError(f"{os.path.join(path, 'zarr.json')}: a zarr group whose attributes "
+                           f"are not an offload-engine manifest (format {fmt!r})")
+    if os.path.isfile(os.path.join(path, "latest")):
+        name = _read_latest(path)
+        target = os.path.join(path, name)
+        if not os.path.isdir(target):
+            raise InspectError(f"{os.path.join(path, 'latest')} names {name!r}, but {target} "
+                               f"does not exist")
+        if _group_format(target) == FORMATS["checkpoint"]:
+            return "checkpoint", target, name
+        if _is_ds_tag(target):
+            return "deepspeed", path, name
+        raise InspectError(f"{target} (named by 'latest') is neither a checkpoint generation "
+                           f"nor a DeepSpeed tag folder")
+    if _is_ds_tag(path):
+        return "deepspeed", os.path.dirname(path), os.path.basename(path)
+    if any(f.endswith(".safetensors") or f == "model.safetensors.index.json"
+           for f in os.listdir(path)):
+        return "safetensors", path, None
+    groups = sorted(d for d in os.listdir(path)
+                    if _group_format(os.path.join(path, d)) == FORMATS["checkpoint"])
+    if groups:
+        raise InspectError(f"{path}: no 'latest' file; pass --generation (generations here: "
+                           f"{', '.join(groups)})")
+    raise InspectError(f"{path}: not a store, a checkpoint, a DeepSpeed checkpoint or "
+                       f"safetensors (no zarr.json, 'latest', *_optim_states.pt or *.safetensors)")

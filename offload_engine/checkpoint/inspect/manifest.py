@@ -1,0 +1,257 @@
+"""The manifest of a store or checkpoint generation (group attributes, docs/format.md),
+checked and turned into logical tensors and the array ranges that hold them.
+
+Everything here is metadata: nothing reads a chunk file. Each shard state of a tensor
+becomes a ``Placement``: elements ``[dest, dest + numel)`` of the flattened logical
+tensor are elements ``[offset, offset + numel)`` of an array. Row blocks (FSDP2
+``Shard(0)``) are contiguous in row-major order, so a shard starting at row ``row_start``
+lands at ``dest = row_start * (elements per row)``. A shard's parameter may be listed
+inside ``states`` (docs/format.md) or next to it as ``"param": {"array", "offset"}`` (what
+``checkpoint.save`` writes); both become the state ``param``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from offload_engine.layout import zarr_to_torch
+
+from .errors import InspectError
+from .model import StateMeta, TensorMeta
+
+FORMATS = {"store": "offload-engine-store", "checkpoint": "offload-engine-checkpoint"}
+KNOWN_VERSIONS = (1,)
+_RANK_PREFIX = re.compile(r"^rank(\d+)/")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Elements ``[dest, dest + numel)`` of a logical tensor's state are elements
+    ``[offset, offset + numel)`` of array ``array``, held by ``rank``."""
+
+    dest: int
+    numel: int
+    array: str
+    offset: int
+    rank: int | None
+
+
+@dataclass
+class ArrayEntry:
+    name: str
+    dtype: torch.dtype
+    numel: int
+    home: str | None
+    rank: int | None
+
+
+@dataclass
+class Manifest:
+    format: str
+    format_version: int
+    step: int | None
+    world_size: int | None
+    arrays: dict[str, ArrayEntry]
+    tensors: list[TensorMeta]
+    placements: dict[tuple[str, str], list[Placement]]
+    checksums: dict[str, list] | None = None
+    committed: bool | None = None
+    has_tensor_table: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def _int(value, what: str, where: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InspectError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _dtype(name, what: str, where: str) -> torch.dtype:
+    try:
+        return zarr_to_torch(name)
+    except ValueError:
+        raise InspectError(f"{where}: {what} has unknown dtype {name!r}") from None
+
+
+def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
+    """Check the manifest of a ``kind`` ("store" or "checkpoint") group; ``where`` is the
+    group's zarr.json, named in every error."""
+    fmt = attrs.get("format")
+    if fmt != FORMATS[kind]:
+        raise InspectError(f"{where}: manifest format is {fmt!r}, expected {FORMATS[kind]!r}")
+    version = attrs.get("format_version")
+    if version not in KNOWN_VERSIONS:
+        raise InspectError(f"{where}: format_version {version!r} is not supported (this "
+                           f"offload-engine reads {', '.join(map(str, KNOWN_VERSIONS))})")
+    step = attrs.get("step")
+    if step is not None:
+        step = _int(step, "'step'", where)
+    world = attrs.get("world_size")
+    if world is not None:
+        world = _int(world, "'world_size'", where, 1)
+    arrays = _parse_arrays(attrs.get("arrays"), where)
+    committed = attrs.get("committed")
+    checksums = None
+    if kind == "checkpoint":
+        if committed is not True:
+            raise InspectError(f"{where}: the generation is not committed ('committed' is "
+                               f"{committed!r}): an interrupted save, not a checkpoint")
+        checksums = attrs.get("checksums")
+        if not isinstance(checksums, dict):
+            raise InspectError(f"{where}: a checkpoint manifest needs 'checksums' "
+                               f"{{array: [crc32c per chunk]}}")
+        for name, crcs in checksums.items():
+            if name not in arrays:
+                raise InspectError(f"{where}: checksums for array {name!r}, which is not in "
+                                   f"'arrays'")
+            if not isinstance(crcs, list) or not all(
+                    c is None or (isinstance(c, int) and not isinstance(c, bool)
+                                  and 0 <= c < 2**32) for c in crcs):
+                raise InspectError(f"{where}: checksums of array {name!r} must be a list of "
+                                   f"unsigned 32-bit integers")
+    tensors_doc = attrs.get("tensors")
+    if tensors_doc is None:
+        tensors, placements = _bare_arrays(arrays)
+        has_table = False
+    else:
+        tensors, placements = _parse_tensors(tensors_doc, arrays, world, where)
+        has_table = True
+    extra = {k: v for k, v in attrs.items()
+             if k not in ("format", "format_version", "step", "world_size", "arrays",
+                          "tensors", "checksums", "committed", "stripes")}
+    return Manifest(fmt, version, step, world, arrays, tensors, placements, checksums,
+                    committed, has_table, extra)
+
+
+def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
+    if not isinstance(doc, dict):
+        raise InspectError(f"{where}: manifest has no 'arrays' object")
+    out = {}
+    for name, entry in doc.items():
+        if not isinstance(entry, dict):
+            raise InspectError(f"{where}: arrays[{name!r}] must be an object")
+        m = _RANK_PREFIX.match(name)
+        out[name] = ArrayEntry(name, _dtype(entry.get("dtype"), f"array {name!r}", where),
+                               _int(entry.get("numel"), f"numel of array {name!r}", where),
+                               entry.get("home"), int(m.group(1)) if m else None)
+    return out
+
+
+def _bare_arrays(arrays: dict[str, ArrayEntry]):
+    """A store whose optimizer recorded no tensors: each flat array is listed as itself."""
+    tensors, placements = [], {}
+    for name in sorted(arrays):
+        a = arrays[name]
+        state = name.rsplit("/", 1)[-1]
+        itemsize = torch.empty((), dtype=a.dtype).element_size()
+        tensors.append(TensorMeta(name, (a.numel,), a.dtype, None,
+                                  {state: StateMeta(a.dtype, a.numel, {a.rank: a.numel * itemsize})},
+                                  kind="array", home=a.home))
+        placements[(name, state)] = [Placement(0, a.numel, name, 0, a.rank)]
+    return tensors, placements
+
+
+def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where: str):
+    if not isinstance(doc, dict):
+        raise InspectError(f"{where}: 'tensors' must be an object {{name: entry}}")
+    itemsizes = {n: torch.empty((), dtype=a.dtype).element_size() for n, a in arrays.items()}
+    tensors, placements = [], {}
+    for name, entry in doc.items():
+        what = f"tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise InspectError(f"{where}: {what} must be an object")
+        shape = entry.get("shape")
+        if not isinstance(shape, list):
+            raise InspectError(f"{where}: {what} has no 'shape' list")
+        shape = tuple(_int(s, f"shape of {what}", where) for s in shape)
+        dtype = _dtype(entry.get("dtype"), what, where)
+        rows = shape[0] if shape else 1
+        row_numel = math.prod(shape[1:])
+        shards = entry.get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise InspectError(f"{where}: {what} has no 'shards' list")
+        by_state: dict[str, list[Placement]] = {}
+        covered = []
+        for shard in shards:
+            if not isinstance(shard, dict):
+                raise InspectError(f"{where}: {what}: every shard must be an object")
+            rank = _int(shard.get("rank"), f"rank of a shard of {what}", where)
+            if world is not None and rank >= world:
+                raise InspectError(f"{where}: {what} has a shard on rank {rank}, but world_size "
+                                   f"is {world}")
+            row_start = _int(shard.get("row_start"), f"row_start of {what}", where)
+            nrows = _int(shard.get("rows"), f"rows of {what}", where)
+            numel = _int(shard.get("numel"), f"numel of {what}", where)
+            if numel != nrows * row_numel:
+                raise InspectError(f"{where}: {what}, rank {rank}: numel {numel} is not rows "
+                                   f"{nrows} x {row_numel} elements per row")
+            covered.append((row_start, nrows, rank))
+            states = shard.get("states", {})
+            if not isinstance(states, dict):
+                raise InspectError(f"{where}: {what}, rank {rank}: 'states' must be an object")
+            if "param" in shard:  # the checkpoint writer keeps the parameter next to its states
+                states = {"param": shard["param"], **states}
+            if not states:
+                raise InspectError(f"{where}: {what}, rank {rank}: shard has no states")
+            for state, ref in states.items():
+                if not isinstance(ref, dict) or ref.get("array") not in arrays:
+                    raise InspectError(
+                        f"{where}: {what}, rank {rank}, state {state!r}: array "
+                        f"{ref.get('array') if isinstance(ref, dict) else ref!r} is not in 'arrays'")
+                array = ref["array"]
+                offset = _int(ref.get("offset"), f"offset of {what}/{state}", where)
+                if offset + numel > arrays[array].numel:
+                    raise InspectError(
+                        f"{where}: {what}, rank {rank}, state {state!r}: elements [{offset}, "
+                        f"{offset + numel}) run past the {arrays[array].numel} of array {array!r}")
+                by_state.setdefault(state, []).append(
+                    Placement(row_start * row_numel, numel, array, offset, rank))
+        _check_rows(covered, rows, what, where)
+        states_meta = {}
+        for state, pls in by_state.items():
+            if len(pls) != len(shards):
+                missing = sorted({r for _, _, r in covered} - {p.rank for p in pls})
+                raise InspectError(f"{where}: {what}: state {state!r} is missing from the shard "
+                                   f"of rank(s) {missing}")
+            pls.sort(key=lambda p: p.dest)
+            sdtype = arrays[pls[0].array].dtype
+            per_rank: dict = {}
+            for p in pls:
+                if arrays[p.array].dtype != sdtype:
+                    raise InspectError(f"{where}: {what}: state {state!r} is held in arrays of "
+                                       f"different dtypes")
+                per_rank[p.rank] = per_rank.get(p.rank, 0) + p.numel * itemsizes[p.array]
+            states_meta[state] = StateMeta(sdtype, rows * row_numel, per_rank)
+            placements[(name, state)] = pls
+        optimizer = entry.get("optimizer")
+        if optimizer is not None and not isinstance(optimizer, str):
+            raise InspectError(f"{where}: {what}: 'optimizer' must be a string")
+        tensors.append(TensorMeta(name, shape, dtype, optimizer, states_meta))
+    return tensors, placements
+
+
+def _check_rows(covered: list, rows: int, what: str, where: str) -> None:
+    """The shards' row blocks must tile [0, rows) exactly."""
+    pos = 0
+    for row_start, nrows, rank in sorted(covered):
+        if nrows == 0:
+            continue
+        if row_start > pos:
+            raise InspectError(f"{where}: {what}: rows [{pos}, {row_start}) are in no shard "
+                               f"(a missing rank?)")
+        if row_start < pos:
+            raise InspectError(f"{where}: {what}: the shard of rank {rank} overlaps rows "
+                               f"[{row_start}, {pos})")
+        pos = row_start + nrows
+    if pos != rows:
+        raise InspectError(f"{where}: {what}: shards cover rows [0, {pos}) of {rows} "
+                           f"(a missing rank?)")
+
+
+def rank_of_array(name: str) -> int | None:
+    m = _RANK_PREFIX.match(name)
+    return int(m.group(1)) if m else None
