@@ -1,0 +1,64 @@
+"""One figure of per-layer L2 norms of the parameters and of every optimizer state.
+
+matplotlib is an optional extra (``pip install 'offload-engine[plot]'``); without it,
+``--plot`` is refused with a one-line error. Layers are ordered as their tensors first
+appear; the y axis is logarithmic.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import InspectError
+from .health import layer_of
+
+
+def layer_norms(stats: dict, order: list[str]) -> tuple[list[str], dict[str, list[float]]]:
+    """(layers in order, {state: [L2 norm per layer, NaN where absent]})."""
+    layers: list[str] = []
+    seen = set()
+    for name in order:
+        layer = layer_of(name)
+        if layer not in seen:
+            seen.add(layer)
+            layers.append(layer)
+    index = {layer: i for i, layer in enumerate(layers)}
+    sums: dict[str, list[float]] = {}
+    for (name, state), s in stats.items():
+        row = sums.setdefault(state, [math.nan] * len(layers))
+        i = index[layer_of(name)]
+        row[i] = (0.0 if math.isnan(row[i]) else row[i]) + s["sumsq"]
+    return layers, {state: [math.sqrt(v) if not math.isnan(v) else math.nan for v in row]
+                    for state, row in sums.items()}
+
+
+def plot_layer_norms(stats: dict, order: list[str], out_path: str, title: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise InspectError("--plot needs matplotlib (pip install 'offload-engine[plot]' or "
+                           "pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers, norms = layer_norms(stats, order)
+    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.35 * len(layers) + 4)), 4.5))
+    x = list(range(len(layers)))
+    for state in sorted(norms):
+        ax.plot(x, norms[state], marker="o", markersize=3, label=state)
+    ax.set_yscale("log")
+    ax.set_ylabel("L2 norm")
+    ax.set_xlabel("layer")
+    step = max(1, len(layers) // 40)
+    ax.set_xticks(x[::step])
+    ax.set_xticklabels(layers[::step], rotation=60, ha="right", fontsize=7)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(out_path, dpi=120)
+    except OSError as e:
+        raise InspectError(f"{out_path}: cannot write the figure ({e})") from None
+    finally:
+        plt.close(fig)
