@@ -17,6 +17,9 @@ COMMANDS = {
     "bench": "bench",
     "consolidate": "consolidate",
     "plan": "plan",
+    "inspect": "inspect",
+    "diff": "diff",
+    "export": "export",
 }
 
 

@@ -1,0 +1,110 @@
+"""``offload-engine diff A B``: names, shapes and dtypes added, removed or changed, then the
+values of every tensor both hold, within tolerance. A and B may be of different kinds
+(a checkpoint against its consolidated safetensors, a DeepSpeed checkpoint against ours).
+
+Exit codes: 0 equal within tolerance; 1 different; 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from offload_engine.checkpoint.inspect import KIND_LABELS, open_source
+from offload_engine.checkpoint.inspect.diff import diff_sources
+
+from .consolidate import ProgressLine
+from .inspect import _num, _table
+
+EXIT_DIFFERENT = 1
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "diff", help="compare two stores, checkpoints, DeepSpeed checkpoints or safetensors",
+        description="Compare A with B (the reference): tensors added, removed, or changed in "
+                    "shape or dtype, then per tensor the largest absolute difference and the "
+                    "relative L2 difference ||A-B||/||B||. Equal means |A-B| <= atol + rtol*|B| "
+                    "everywhere (NaN equals NaN). By default each tensor's value is compared: "
+                    "its master weights where it has them, else the parameter. Exit codes: 0 "
+                    "equal within tolerance, 1 different, 2 bad input.")
+    p.add_argument("a", metavar="A", help="first input (any kind inspect reads)")
+    p.add_argument("b", metavar="B", help="second input, the reference")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--state", action="append", metavar="S",
+                   help="'weights' (default: master, else param), 'all' (every state both "
+                        "hold; states held by one side only are differences), or state names "
+                        "(repeatable)")
+    p.add_argument("--name", action="append", metavar="GLOB",
+                   help="only tensors whose name matches (repeatable)")
+    p.add_argument("--ignore-dtype", action="store_true",
+                   help="a dtype change alone is not a difference (values are still compared)")
+    p.add_argument("--generation-a", "--tag-a", dest="generation_a", metavar="G",
+                   help="checkpoint generation or DeepSpeed tag of A")
+    p.add_argument("--generation-b", "--tag-b", dest="generation_b", metavar="G",
+                   help="checkpoint generation or DeepSpeed tag of B")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="list every compared tensor, not only those that differ")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+    return p
+
+
+def _mode(states):
+    if not states or states == ["weights"]:
+        return "weights"
+    if states == ["all"]:
+        return "all"
+    if "weights" in states or "all" in states:
+        raise ValueError("--state weights and --state all cannot be combined with other states")
+    return states
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rtol < 0 or args.atol < 0:
+        raise ValueError("--rtol and --atol must be >= 0")
+    mode = _mode(args.state)
+    with open_source(args.a, args.generation_a) as a, open_source(args.b, args.generation_b) as b:
+        progress = ProgressLine(label="diff") if sys.stderr.isatty() else None
+        report = diff_sources(a, b, rtol=args.rtol, atol=args.atol, mode=mode, names=args.name,
+                              ignore_dtype=args.ignore_dtype, progress=progress)
+        label_a = f"{KIND_LABELS[a.info.kind]} {a.info.path}"
+        label_b = f"{KIND_LABELS[b.info.kind]} {b.info.path}"
+    if args.json:
+        json.dump({"a": label_a, "b": label_b, "rtol": args.rtol, "atol": args.atol,
+                   "mode": mode, **report.as_dict()}, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        _print(report, label_a, label_b, args)
+    return 0 if report.equal else EXIT_DIFFERENT
+
+
+def _print(report, label_a: str, label_b: str, args) -> None:
+    out = sys.stdout
+    print(f"A  {label_a}", file=out)
+    print(f"B  {label_b}", file=out)
+    mode = _mode(args.state)
+    print(f"compared {len(report.values)} tensor states ("
+          f"{mode if isinstance(mode, str) else ', '.join(mode)}), rtol {args.rtol:g}, "
+          f"atol {args.atol:g}", file=out)
+    if report.removed:
+        print(f"only in A ({len(report.removed)}): {', '.join(report.removed)}", file=out)
+    if report.added:
+        print(f"only in B ({len(report.added)}): {', '.join(report.added)}", file=out)
+    for c in report.changed:
+        state = f"/{c['state']}" if "state" in c else ""
+        print(f"changed {c['what']}: {c['name']}{state}: {c['a']} -> {c['b']}", file=out)
+    rows = [v for v in report.values if args.verbose or not v["equal"]]
+    if rows:
+        _table(["NAME", "STATE", "MAX_ABS", "REL_L2", "MISMATCHES", "COUNT"],
+               [[v["name"], v["state"], _num(v["max_abs"]), _num(v["rel_l2"]),
+                 str(v["mismatches"]), str(v["count"])] for v in rows], out)
+    differing = sum(not v["equal"] for v in report.values)
+    if report.equal:
+        print("equal within tolerance", file=out)
+    else:
+        print(f"different: {differing} tensor state(s) outside tolerance, "
+              f"{len(report.removed)} only in A, {len(report.added)} only in B, "
+              f"{len(report.changed)} changed", file=out)

@@ -1,0 +1,51 @@
+"""``offload-engine export PATH NAME --out FILE``: one logical tensor, reassembled from its
+shards, as .npy, .safetensors or .pt.
+
+Exit codes: 0 written; 2 bad input (unknown tensor or state, corrupt data, bad checksum).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from offload_engine.checkpoint.inspect import open_source
+from offload_engine.checkpoint.inspect.export import export_tensor
+from offload_engine.units import format_bytes
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float64": torch.float64}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export", help="write one tensor (any state), reassembled from its shards, to "
+                       ".npy / .safetensors / .pt",
+        description="Reassemble tensor NAME of PATH (any kind inspect reads) from its shards "
+                    "and write it to FILE; the format follows the extension (.npy, "
+                    ".safetensors, .pt). Without --state the tensor's value is written: its "
+                    "master weights where it has them, else the parameter. Checkpoint chunks "
+                    "are checked against their recorded checksums.")
+    p.add_argument("path", metavar="PATH", help="input (store, checkpoint, DeepSpeed, safetensors)")
+    p.add_argument("name", metavar="NAME", help="tensor name (as inspect lists it)")
+    p.add_argument("--state", metavar="S", help="state to write (param, master, "
+                                                "momentum_buffer, exp_avg, exp_avg_sq, ...)")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="output file: .npy, .safetensors or .pt")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast before writing (numpy has no "
+                                                            "bfloat16: use float32 for .npy)")
+    p.add_argument("--generation", "--tag", dest="generation", metavar="G",
+                   help="checkpoint generation or DeepSpeed tag (default: 'latest')")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    with open_source(args.path, args.generation) as source:
+        r = export_tensor(source, args.name, args.out, state=args.state,
+                          dtype=DTYPES[args.dtype] if args.dtype else None)
+    print(f"wrote {r['name']} ({r['state']}, shape {r['shape']}, {r['dtype']}) to {r['path']} "
+          f"({format_bytes(r['bytes'])})")
+    return 0

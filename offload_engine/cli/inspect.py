@@ -1,0 +1,245 @@
+"""``offload-engine inspect PATH``: what a store, checkpoint, DeepSpeed checkpoint or
+safetensors file holds, from metadata; with ``--stats``, streamed statistics per tensor
+and state and an optimizer-health summary.
+
+Exit codes: 0 ok; 3 ``--stats`` (or ``--plot``) found NaN or Inf; 2 bad input (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from offload_engine.checkpoint.inspect import KIND_LABELS, open_source
+from offload_engine.checkpoint.inspect.collect import collect_stats, select
+from offload_engine.checkpoint.inspect.health import health_summary
+from offload_engine.units import format_bytes, parse_bytes
+
+from .consolidate import ProgressLine
+
+EXIT_NONFINITE = 3
+MAX_FILES_SHOWN = 12
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "inspect", help="list (and with --stats, summarise) a store, checkpoint, DeepSpeed "
+                        "checkpoint or safetensors file",
+        description="List what PATH holds: a live store directory, an offload-engine "
+                    "checkpoint, a DeepSpeed ZeRO-1/2/3 checkpoint, a .safetensors file or a "
+                    "sharded index. Listing reads metadata only. --stats streams every "
+                    "selected tensor state once, in bounded memory. Exit codes: 0 ok, 3 "
+                    "--stats found NaN or Inf, 2 bad input.")
+    p.add_argument("path", metavar="PATH", help="store directory, checkpoint folder or "
+                                                "generation, DeepSpeed folder, .safetensors "
+                                                "file, index .json, or a folder of them")
+    p.add_argument("--generation", "--tag", dest="generation", metavar="G",
+                   help="checkpoint generation or DeepSpeed tag (default: the one 'latest' names)")
+    p.add_argument("--name", action="append", metavar="GLOB",
+                   help="only tensors whose name matches (fnmatch glob; repeatable)")
+    p.add_argument("--state", action="append", metavar="S",
+                   help="only these states: param, master, momentum_buffer, exp_avg, "
+                        "exp_avg_sq, ... (repeatable)")
+    p.add_argument("--stats", action="store_true",
+                   help="read the data: count, min, max, mean, rms, L2, NaN, Inf, zero "
+                        "fraction per tensor and state, and an optimizer-health summary")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="also draw per-layer L2 norms of every state into OUT.png (needs "
+                        "matplotlib; implies --stats)")
+    p.add_argument("--top", type=int, default=5, metavar="N",
+                   help="largest values listed in the health summary (default 5)")
+    p.add_argument("--window-size", default="16MiB",
+                   help="bytes per read window of stores and checkpoints (default 16MiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+    return p
+
+
+def _dtype(d) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _num(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return str(x)
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.4g}"
+
+
+def summarise(source, selected) -> dict:
+    info = source.info
+    by_state: dict[str, int] = {}
+    by_rank: dict = {}
+    dtypes: dict[str, int] = {}
+    for t, states in selected:
+        dtypes[_dtype(t.dtype)] = dtypes.get(_dtype(t.dtype), 0) + 1
+        for s in states:
+            sm = t.states[s]
+            by_state[s] = by_state.get(s, 0) + sm.nbytes
+            for r, n in sm.bytes_by_rank.items():
+                by_rank[r] = by_rank.get(r, 0) + n
+    kinds: dict[str, int] = {}
+    for t, _ in selected:
+        kinds[t.kind] = kinds.get(t.kind, 0) + 1
+    return {
+        "kind": info.kind, "kind_label": KIND_LABELS[info.kind], "path": info.path,
+        "format": info.format, "format_version": info.format_version,
+        "generation": info.generation, "step": info.step, "world_size": info.world_size,
+        "tensors": len(selected), "tensor_kinds": kinds,
+        "bytes_by_state": by_state,
+        "bytes_by_rank": {("unsharded" if r is None else str(r)): n
+                          for r, n in sorted(by_rank.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
+        "dtypes": dtypes,
+        "files": [{"path": p, "bytes": n} for p, n in info.files],
+        "file_count": info.file_count if info.file_count is not None else len(info.files),
+        "notes": list(info.notes),
+    }
+
+
+def _tensor_rows(selected) -> list[dict]:
+    rows = []
+    for t, states in selected:
+        row = {"name": t.name, "shape": list(t.shape), "dtype": _dtype(t.dtype),
+               "optimizer": t.optimizer, "kind": t.kind, "states": states,
+               "bytes": sum(t.states[s].nbytes for s in states)}
+        if t.kind == "array":
+            row.update(numel=t.numel, home=t.home)
+        rows.append(row)
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]], out) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), file=out)
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
+
+
+def print_summary(s: dict, out) -> None:
+    label = s["kind_label"]
+    print(f"kind        {label} ({s['format']}"
+          + (f", version {s['format_version']}" if s["format_version"] is not None else "") + ")",
+          file=out)
+    print(f"path        {s['path']}", file=out)
+    if s["generation"] is not None:
+        print(f"generation  {s['generation']}", file=out)
+    if s["step"] is not None:
+        print(f"step        {s['step']}", file=out)
+    if s["world_size"] is not None:
+        print(f"world size  {s['world_size']}", file=out)
+    kinds = ", ".join(f"{n} {k}" for k, n in s["tensor_kinds"].items())
+    print(f"tensors     {s['tensors']}" + (f" ({kinds})" if kinds else ""), file=out)
+    print("dtypes      " + ", ".join(f"{d} {n}" for d, n in s["dtypes"].items()), file=out)
+    print("bytes       " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_by_state"].items()),
+          file=out)
+    if s["bytes_by_rank"]:
+        print("by rank     " + ", ".join(f"{k}: {format_bytes(v)}" for k, v in s["bytes_by_rank"].items()),
+              file=out)
+    files = s["files"]
+    total = sum(f["bytes"] or 0 for f in files)
+    print(f"files       {s['file_count']}" + (f" ({format_bytes(total)})" if s["file_count"] == len(files) else
+                                               f" (manifest {format_bytes(total)}; arrays and chunk files not listed)"),
+          file=out)
+    base = s["path"] if os.path.isdir(s["path"]) else os.path.dirname(s["path"])
+    shown = [(os.path.relpath(f["path"], base), f["bytes"]) for f in files[:MAX_FILES_SHOWN]]
+    width = max((len(p) for p, _ in shown), default=0)
+    for p, n in shown:
+        print(f"  {p:<{width}}  {format_bytes(n)}", file=out)
+    if len(files) > MAX_FILES_SHOWN:
+        print(f"  ... {len(files) - MAX_FILES_SHOWN} more", file=out)
+    for note in s["notes"]:
+        print(f"note        {note}", file=out)
+
+
+def print_tensors(rows: list[dict], out) -> None:
+    if rows and all(r["kind"] == "array" for r in rows):
+        _table(["NAME", "DTYPE", "NUMEL", "HOME"],
+               [[r["name"], r["dtype"], str(r["numel"]), str(r["home"])] for r in rows], out)
+        return
+    _table(["NAME", "SHAPE", "DTYPE", "OPTIMIZER", "STATES"],
+           [[r["name"], "[" + ", ".join(map(str, r["shape"])) + "]", r["dtype"],
+             r["optimizer"] or ("-" if r["kind"] == "param" else r["kind"]), ", ".join(r["states"])]
+            for r in rows], out)
+
+
+def print_stats(stats: list[dict], out) -> None:
+    _table(["NAME", "STATE", "COUNT", "MIN", "MAX", "MEAN", "RMS", "L2", "NAN", "INF", "ZEROS"],
+           [[s["name"], s["state"], str(s["count"]), _num(s["min"]), _num(s["max"]),
+             _num(s["mean"]), _num(s["rms"]), _num(s["l2"]), str(s["nan"]), str(s["inf"]),
+             "-" if s["zero_fraction"] is None else f"{100 * s['zero_fraction']:.1f}%"]
+            for s in stats], out)
+
+
+def print_health(h: dict, out) -> None:
+    print("optimizer health", file=out)
+    if h["momentum_rms_per_layer"]:
+        print("  momentum RMS per layer:", file=out)
+        for e in h["momentum_rms_per_layer"]:
+            print(f"    {e['layer']:<40} {e['state']:<16} {_num(e['rms'])}", file=out)
+    else:
+        print("  momentum RMS per layer: no momentum_buffer or exp_avg state selected", file=out)
+    v = h["adam_exp_avg_sq"]
+    if v:
+        print(f"  Adam exp_avg_sq: min {_num(v['min']['value'])} ({v['min']['tensor']}), "
+              f"max {_num(v['max']['value'])} ({v['max']['tensor']})", file=out)
+    if h["largest_values"]:
+        print("  largest |values|: " + ", ".join(
+            f"{_num(e['abs_max'])} {e['tensor']}/{e['state']}" for e in h["largest_values"]),
+            file=out)
+    if h["nonfinite"]:
+        print(f"  NaN/Inf in {len(h['nonfinite_layers'])} layer(s): "
+              + ", ".join(h["nonfinite_layers"]), file=out)
+        for e in h["nonfinite"]:
+            print(f"    {e['tensor']}/{e['state']}: {e['nan']} NaN, {e['inf']} Inf", file=out)
+    else:
+        print("  NaN/Inf: none", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    window = parse_bytes(args.window_size)
+    out = sys.stdout
+    with open_source(args.path, args.generation, window_bytes=window) as source:
+        selected = select(source.tensors(), args.name, args.state)
+        summary = summarise(source, selected)
+        rows = _tensor_rows(selected)
+        want_stats = args.stats or args.plot
+        result = {"summary": summary, "tensors": rows}
+        if want_stats:
+            keys = [(t.name, s) for t, states in selected for s in states]
+            progress = ProgressLine(label="inspect") if sys.stderr.isatty() else None
+            stats, nbytes = collect_stats(source, keys, progress)
+            result["stats"] = [{"name": n, "state": s, **{k: v for k, v in st.items() if k != "sumsq"}}
+                               for (n, s), st in stats.items()]
+            floating = {(t.name, s) for t, states in selected for s in states
+                        if t.states[s].dtype.is_floating_point}
+            result["health"] = health_summary(stats, top=args.top, floating=floating)
+            result["bytes_read"] = nbytes
+            if args.plot:
+                from offload_engine.checkpoint.inspect.plot import plot_layer_norms
+                plot_layer_norms(stats, [t.name for t, _ in selected], args.plot,
+                                 f"{KIND_LABELS[source.info.kind]}: {source.info.path}")
+                result["plot"] = args.plot
+    if args.json:
+        json.dump(result, out, indent=2, default=str)
+        out.write("\n")
+    else:
+        print_summary(summary, out)
+        print(file=out)
+        print_tensors(rows, out)
+        if want_stats:
+            print(file=out)
+            print_stats(result["stats"], out)
+            print(file=out)
+            print_health(result["health"], out)
+            if args.plot:
+                print(f"\nplot written to {args.plot}", file=out)
+    if want_stats and result["health"]["nonfinite"]:
+        return EXIT_NONFINITE
+    return 0
