@@ -38,8 +38,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
 
+_ITEMSIZE: dict = {}
+
+
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    if dtype not in _ITEMSIZE:
+        _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return _ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,6 @@ class RankState:
     ns_max_min_dim: int = 0
     ns_owned: int = 0
     max_segment: int = 0
-    held_master_rows: int = 0            # master buckets a Muon chunk keeps between stages
 
     def order(self) -> list[tuple[str, int]]:
         """(array, bucket) in the order a forward step acquires them."""
@@ -243,8 +247,6 @@ def _buffers(st: RankState, layout, infos, owner_of, rank: int, world: int) -> N
         st.max_segment = max([st.max_segment] + [s.hi - s.lo for row in c.rows for s in row.segments])
         if c.kind != "muon":
             continue
-        if MASTER in c.arrays:
-            st.held_master_rows = max(st.held_master_rows, len(c.rows))
         ps = [infos[p] for p in c.params]
         if not c.distributed or world == 1:
             send = sum(i.numel for i in ps)
@@ -310,12 +312,6 @@ def compute_bytes(st: RankState, model: ModelShapes, opts: PlanOptions, gpu_budg
     if opts.device == "cuda":
         gpu["store_gpu_arena"] = gpu_budget
     return gpu, host
-
-
-def staging_buckets(st: RankState) -> int:
-    """Most buckets ZeroMuon holds on the compute device at once: the masters of up to
-    ``SLOTS`` Muon chunks in flight, plus one row of another chunk (at most 4 arrays)."""
-    return SLOTS * st.held_master_rows + 4
 
 
 def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str]) -> int:

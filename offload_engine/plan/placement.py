@@ -11,8 +11,8 @@ one homed on ``nvme`` is cached there a bucket at a time. So the choice is:
   and capped at the state plus its working room; it must hold ZeroMuon's working set
   (``(SLOTS * master rows of a Muon chunk + 4 + prefetch_depth)`` buckets, the optimizer's
   own check);
-- on a CUDA device, ``gpu_budget`` is the staging arena ZeroMuon's acquires need
-  (``staging_buckets`` buckets).
+- on a CUDA device, ``gpu_budget`` is the staging arena ZeroMuon's acquires need (the same
+  number of buckets, as ZeroMuon sizes it when it opens the store itself).
 
 Host memory a rank can pin: 90% of the node's memory (the OS keeps 10%), less
 ``HOST_PER_RANK`` of ordinary memory for each training process, shared by the ranks of a
@@ -52,11 +52,19 @@ def needed_pinned(st: RankState) -> int:
     return sum(a.pinned_bytes for a in st.arrays.values())
 
 
-def working_set(st: RankState, bucket_bytes: int, prefetch_depth: int) -> int:
+def working_buckets(layout) -> int:
+    """Most buckets a ZeroMuon step holds at once, plus one spare (ZeroMuon's own bound):
+    a Muon chunk's momentum bucket while the masters of ``SLOTS`` chunks in flight are
+    held, or one AdamW row (2-4 arrays). ZeroMuon refuses a pool smaller than this (with
+    state on NVMe) and sizes its CUDA staging arena by it."""
+    masters = [len(c.rows) for c in layout.chunks if c.kind == "muon" and MASTER in c.arrays]
+    per_row = max((len(c.arrays) for c in layout.chunks), default=0)
+    return max(SLOTS * max(masters, default=0) + 1, per_row) + 1
+
+
+def working_set(st: RankState, bucket_bytes: int, prefetch_depth: int = 0) -> int:
     """Pool bytes ZeroMuon requires beyond cpu-homed state when any array is on NVMe."""
-    masters = max((len(c.rows) for c in st.layout.chunks if c.kind == "muon" and MASTER in c.arrays),
-                  default=0)
-    return (SLOTS * masters + 4 + prefetch_depth) * bucket_bytes
+    return working_buckets(st.layout) * bucket_bytes
 
 
 @dataclass

@@ -16,10 +16,10 @@ from ..io.align import round_up
 from ..store import StoreConfig
 from . import deepspeed_compat
 from .memory import (ArrayPlan, PlanOptions, RankState, classify, compute_bytes, itemsize,
-                     rank_states, staging_buckets, store_metadata_bytes)
+                     rank_states, store_metadata_bytes)
 from .model_shapes import ModelShapes
 from .placement import (HOST_PER_RANK, OS_FRACTION, Placement, TierVerdict, binding,
-                        candidate_world_sizes, choose, usable_gpu)
+                        candidate_world_sizes, choose, usable_gpu, working_buckets)
 from .traffic import drive_writes_per_day, io_seconds, step_io
 
 FORMAT = "offload-engine-plan"
@@ -71,7 +71,7 @@ def build_plan(model: ModelShapes, opts: PlanOptions, machine: Machine,
     workload = workload or Workload()
     kinds = kinds or kinds_for(model, optimizer)
     states = rank_states(model, opts, kinds=kinds)
-    staging = max(staging_buckets(s) for s in states) * opts.bucket_bytes
+    staging = max(working_buckets(s.layout) for s in states) * opts.bucket_bytes
     host_other = max(sum(compute_bytes(s, model, opts, 0)[1].values()) for s in states)
     place = choose(states, bucket_bytes=opts.bucket_bytes, prefetch_depth=opts.prefetch_depth,
                    cpu_mem=machine.cpu_mem, ranks_per_node=opts.ranks_per_node,
@@ -82,7 +82,11 @@ def build_plan(model: ModelShapes, opts: PlanOptions, machine: Machine,
     stripes = [str(p) for p in machine.nvme_paths] or [NVME_PLACEHOLDER]
 
     per_rank = [_rank_bytes(st, model, opts, place, homes, stripes, workload) for st in states]
-    ios = [step_io(st, homes, place.cpu_budget) for st in states]
+    ios, seen = [], {}
+    for st in states:  # ranks with one layout move the same bytes: replay each layout once
+        if id(st.layout) not in seen:
+            seen[id(st.layout)] = step_io(st, homes, place.cpu_budget, opts.prefetch_depth)
+        ios.append(seen[id(st.layout)])
 
     R = opts.ranks_per_node
     nodes = [list(range(k * R, min((k + 1) * R, opts.world_size))) for k in range(opts.nodes)]

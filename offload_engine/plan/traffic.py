@@ -2,12 +2,12 @@
 
 The store's steady state (docs/store.md, "How buckets move"): with ``alternate_order`` the
 schedule is reversed every step and eviction follows next use, so the buckets still
-cached when a step ends are the first ones the next step uses. Each step therefore reads,
-and writes back, exactly the NVMe buckets that were not resident when it began, once each.
-Resident at a step's start: the longest run of buckets at the end of the previous step's
-order whose page-rounded sizes fit in the pool next to the arrays homed on ``cpu``. With
-buckets of unequal size the two directions can differ, so even and odd steps are given
-separately. The first step differs (buckets never written are zero-filled, not read).
+cached when a step ends are the first ones the next step uses. Each step therefore reads
+exactly the NVMe buckets that were not resident when it began, once each, and writes back
+every bucket except those that stay cached for the next step (what the next step reads).
+Which buckets stay cached depends on what ZeroMuon holds while others are evicted, so it
+is found by replaying the step (``step_sim``). Forward-order and reversed-order steps can
+differ, so both are given. The first step differs (buckets never written are zero-filled).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..io.align import round_up
 from .memory import ArrayPlan, RankState
+from .step_sim import steady_state
 
 DAY_S = 86400.0
 
@@ -46,30 +47,19 @@ class StepIO:
         return sum(self.written) / 2
 
 
-def step_io(st: RankState, homes: dict[str, str], cpu_budget: int) -> StepIO:
+def step_io(st: RankState, homes: dict[str, str], cpu_budget: int,
+            prefetch_depth: int = 2) -> StepIO:
     """NVMe bytes one rank reads and writes per step with pool ``cpu_budget`` bytes."""
     arrays: dict[str, ArrayPlan] = st.arrays
-    pinned_home = sum(a.pinned_bytes for n, a in arrays.items() if homes.get(n) == "cpu")
-    room = round_up(cpu_budget) - pinned_home
-    buckets = {n: a.buckets() for n, a in arrays.items() if homes.get(n) == "nvme"}
-    sizes = [buckets[name][b] for name, b in st.order() if name in buckets]
-    total = sum(sizes)
-    # a step in forward order starts with what the reversed step before it left: its tail,
-    # i.e. the head of the forward order; a reversed step starts with the forward tail.
-    head = _fit(sizes, room)
-    tail = _fit(sizes[::-1], room)
-    return StepIO(read=(total - head, total - tail), written=(total - head, total - tail),
-                  resident=(head, tail), nvme_state=total)
-
-
-def _fit(sizes: list[int], room: int) -> int:
-    used = got = 0
-    for s in sizes:
-        if used + round_up(s) > room:
-            break
-        used += round_up(s)
-        got += s
-    return got
+    nvme = {n: a for n, a in arrays.items() if homes.get(n) == "nvme"}
+    total = sum(a.nbytes for a in nvme.values())
+    room = round_up(cpu_budget) - sum(a.pinned_bytes for n, a in arrays.items()
+                                      if homes.get(n) == "cpu")
+    if not nvme or sum(a.pinned_bytes for a in nvme.values()) <= room:
+        # everything stays cached after the first step
+        return StepIO(read=(0, 0), written=(0, 0), resident=(total, total), nvme_state=total)
+    read, written, resident = steady_state(st.layout, arrays, homes, cpu_budget, prefetch_depth)
+    return StepIO(read=read, written=written, resident=resident, nvme_state=total)
 
 
 def io_seconds(read_bytes: float, write_bytes: float, read_bps: float | None,
