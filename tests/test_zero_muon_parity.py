@@ -78,6 +78,7 @@ def run_case(rank, world, mesh, case_no, tmp):
             assert all(p.grad is None for p in model.parameters())
             assert_parity(opt, model, ref, ref_opts, rank, world, f"W={world} case {case_no} step {step}")
         st = opt.last_step_stats
+        assert not opt._order_warned    # the walk followed the store's (alternating) order
         n_muon = sum(1 for n, p in ref.named_parameters() if default_use_muon(n, p))
         assert st.muon_params == n_muon
         if kind.startswith("nvme"):

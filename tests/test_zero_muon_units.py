@@ -259,3 +259,32 @@ def test_master_weights_equal_an_fp32_run_rounded(tmp_path):
                                                  (i.name for i in opt.infos))):
                 assert torch.equal(sd["state"][info.index]["master_param"], q.detach()), n
                 assert torch.equal(info.param.detach(), q.detach().bfloat16()), n
+
+
+def test_pipeline_keeps_exchanges_in_flight_while_other_chunks_compute():
+    """Chunk k's all_to_all is outstanding while chunk k+1 is packed, and AdamW chunks run
+    while Muon exchanges are outstanding."""
+    shapes = {f"w{i}": (32, 32) for i in range(6)}
+    shapes.update({f"b{i}": (300,) for i in range(3)})
+    model, ref = make_pair(shapes, None)
+    with ZeroMuon(model.named_parameters(), store={"default_home": "cpu", "bucket_bytes": 4096,
+                                                   "cpu_budget": 64 * 4096}) as opt:
+        log = []
+        r = opt._runner
+        for stage in ("pack", "orthogonalize", "apply", "adamw_chunk"):
+            real = getattr(r, stage)
+
+            def wrapped(chunk, *a, _real=real, _stage=stage):
+                log.append((_stage, chunk.index))
+                return _real(chunk, *a)
+            setattr(r, stage, wrapped)
+        set_grads(model, ref, 0, 0, 1)
+        opt.step()
+        muon = [c.index for c in opt.layout.chunks if c.kind == "muon"]
+        assert len(muon) >= 3 and any(c.kind == "adamw" for c in opt.layout.chunks)
+        pos = {e: i for i, e in enumerate(log)}
+        for k, k1 in zip(muon, muon[1:]):
+            assert pos[("pack", k1)] < pos[("orthogonalize", k)] < pos[("apply", k)]
+        adamw_at = [i for i, (s, _) in enumerate(log) if s == "adamw_chunk"]
+        first_pack, last_apply = pos[("pack", muon[0])], pos[("apply", muon[-1])]
+        assert any(first_pack < i < last_apply for i in adamw_at)   # AdamW fills exchange time

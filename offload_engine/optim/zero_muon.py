@@ -167,6 +167,13 @@ class ZeroMuon(torch.optim.Optimizer):
                      for nb in _bucket_bytes(n, dt, cfg.bucket_bytes))
         if store is None:
             cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, 4096)})
+        if self.device.type == "cuda" and not isinstance(store, TieredStore) and cfg.gpu_budget == 0:
+            # the step acquires buckets on the parameters' device: the store stages them there
+            staging = self._working_buckets(cfg) * cfg.bucket_bytes
+            if store is not None:
+                raise ValueError(f"parameters are on {self.device}: give the store a gpu_budget "
+                                 f"(at least {staging} bytes to stage the buckets a step holds)")
+            cfg = StoreConfig.load({**cfg.model_dump(), "gpu_budget": staging})
         self._own_store = not isinstance(store, TieredStore)
         if self._own_store:
             for p in cfg.nvme_paths:
@@ -196,16 +203,18 @@ class ZeroMuon(torch.optim.Optimizer):
                      if homes[n] == "cpu" for nb in _bucket_bytes(k, dt, cfg.bucket_bytes))
         work = 0
         if any(h == "nvme" for h in homes.values()):
-            # most buckets held at once: a Muon chunk's momentum bucket while the masters of
-            # three chunks in flight are held, or one AdamW row (2-4 arrays); plus one spare
-            masters = [len(c.rows) for c in self.layout.chunks
-                       if c.kind == "muon" and MASTER in c.arrays]
-            per_row = max((len(c.arrays) for c in self.layout.chunks), default=0)
-            work = (max(SLOTS * max(masters, default=0) + 1, per_row) + 1) * cfg.bucket_bytes
+            work = self._working_buckets(cfg) * cfg.bucket_bytes
         if pinned + work > cfg.cpu_budget:
             raise ValueError(f"store cpu_budget {cfg.cpu_budget} bytes is too small: the state "
                              f"homed on cpu needs {pinned} bytes and the step's working set on "
                              f"nvme about {work} more ({total} bytes of state in all)")
+
+    def _working_buckets(self, cfg: StoreConfig) -> int:
+        """Most buckets a step holds at once, plus one spare: a Muon chunk's momentum bucket
+        while the masters of three chunks in flight are held, or one AdamW row (2-4 arrays)."""
+        masters = [len(c.rows) for c in self.layout.chunks if c.kind == "muon" and MASTER in c.arrays]
+        per_row = max((len(c.arrays) for c in self.layout.chunks), default=0)
+        return max(SLOTS * max(masters, default=0) + 1, per_row) + 1
 
     def array_name(self, name: str) -> str:
         return self.prefix + name
