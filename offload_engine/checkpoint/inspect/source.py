@@ -67,10 +67,11 @@ class InspectSource:
         raise InspectError(f"{self.info.path}: no tensor named {name!r}")
 
     def scan(self, keys: Sequence[tuple[str, str]], visit: Visit, progress: Progress | None = None,
-             window_bytes: int = 16 * MiB) -> int:
+             window_bytes: int = 16 * MiB, workers: int = 1) -> int:
         """Stream every element of each ``(tensor, state)`` in ``keys`` to ``visit``; returns
         the bytes read. Generic version: tensor by tensor, the next window read on a
-        helper thread while ``visit`` works on the current one."""
+        helper thread while ``visit`` works on the current one (``workers`` is ignored:
+        ``visit`` runs on the calling thread)."""
         metas = {t.name: t for t in self.tensors()}
         jobs = []
         for k, (name, state) in enumerate(keys):

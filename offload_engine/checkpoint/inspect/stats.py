@@ -14,11 +14,15 @@ Non-finite values are counted, never summed, so one NaN does not hide the other 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
 
-BLOCK = 1 << 20  # elements widened to float64 at a time (8 MiB)
+# Elements widened to float64 at a time: 2 MiB, so the scratch stays in a core's L2 cache
+# (measured single-threaded: 5.0 GB/s of fp32 input at 256 Ki elements, 3.9 at 1 Mi).
+BLOCK = 1 << 18
+_NATIVE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # aminmax works on these
 
 
 class StatsTable:
@@ -61,27 +65,38 @@ class StatsTable:
             hi = np.minimum(hi_all[i0:i1], b1) - b0
             keys = keys_all[i0:i1]
             if len(keys) == 1:
-                self._one(wide[lo[0]:hi[0]], int(keys[0]))
+                a, b = int(lo[0]), int(hi[0])
+                self._one(wide[a:b], data[b0 + a:b0 + b], int(keys[0]))
             else:
                 self._many(y, lo, hi, keys)
 
-    def _one(self, w: torch.Tensor, k: int) -> None:
-        """One key: torch reductions (numpy's BLAS ``dot`` fights torch's threads)."""
+    def _one(self, w: torch.Tensor, src: torch.Tensor, k: int) -> None:
+        """One key: torch reductions (numpy's BLAS ``dot`` fights torch's threads); min,
+        max and zeros on the stored floats themselves (exact, half the bytes to read)."""
         n = w.numel()
         if not n:
             return
         s = w.sum().item()
         q = torch.dot(w, w).item()
         self.count[k] += n
-        if not (math.isfinite(s) and math.isfinite(q)):
-            nanm, infm = torch.isnan(w), torch.isinf(w)
-            self.nan[k] += int(nanm.sum())
-            self.inf[k] += int(infm.sum())
-            w = w[~(nanm | infm)]
-            if not w.numel():
-                return
-            s = w.sum().item()
-            q = torch.dot(w, w).item()
+        if math.isfinite(s) and math.isfinite(q):
+            if src.dtype not in _NATIVE:
+                src = w
+            mn, mx = torch.aminmax(src)
+            self.sum[k] += s
+            self.sumsq[k] += q
+            self.min[k] = min(self.min[k], mn.item())
+            self.max[k] = max(self.max[k], mx.item())
+            self.zeros[k] += n - int(torch.count_nonzero(src))
+            return
+        nanm, infm = torch.isnan(w), torch.isinf(w)
+        self.nan[k] += int(nanm.sum())
+        self.inf[k] += int(infm.sum())
+        w = w[~(nanm | infm)]
+        if not w.numel():
+            return
+        s = w.sum().item()
+        q = torch.dot(w, w).item()
         mn, mx = torch.aminmax(w)
         self.sum[k] += s
         self.sumsq[k] += q
@@ -126,6 +141,13 @@ class StatsTable:
         np.maximum.at(self.max, ks, mx)
         np.add.at(self.zeros, ks, np.add.reduceat(y == 0, starts, dtype=np.int64))
 
+    def merge(self, other: "StatsTable") -> None:
+        """Add ``other``'s accumulators (another thread's share of the same keys)."""
+        for name in ("count", "nan", "inf", "zeros", "sum", "sumsq"):
+            getattr(self, name)[:] += getattr(other, name)
+        np.minimum(self.min, other.min, out=self.min)
+        np.maximum(self.max, other.max, out=self.max)
+
     # -- results ---------------------------------------------------------------------------
     def result(self, k: int) -> dict:
         """The statistics of key ``k`` as plain Python numbers (None where undefined)."""
@@ -144,3 +166,33 @@ class StatsTable:
             "zero_fraction": int(self.zeros[k]) / count if count else None,
             "sumsq": sumsq,
         }
+
+
+class ParallelStats:
+    """A ``StatsTable`` per thread, so windows can be reduced on several cores at once (torch
+    and numpy release the GIL); ``result`` merges them. Sums then add up in an order that
+    depends on scheduling: the last bits of mean, rms and L2 may differ between runs."""
+
+    def __init__(self, nkeys: int, block: int = BLOCK):
+        self.nkeys = nkeys
+        self.block = block
+        self._local = threading.local()
+        self._tables: list[StatsTable] = []
+        self._lock = threading.Lock()
+        self._merged: StatsTable | None = None
+
+    def visit(self, data: torch.Tensor, pieces: list[tuple[int, int, int]]) -> None:
+        table = getattr(self._local, "table", None)
+        if table is None:
+            table = self._local.table = StatsTable(self.nkeys, self.block)
+            with self._lock:
+                self._tables.append(table)
+        table.visit(data, pieces)
+
+    def result(self, k: int) -> dict:
+        if self._merged is None:
+            merged = StatsTable(self.nkeys, block=1)
+            for t in self._tables:
+                merged.merge(t)
+            self._merged = merged
+        return self._merged.result(k)

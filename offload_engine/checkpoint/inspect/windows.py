@@ -15,7 +15,7 @@ import collections
 import errno
 import os
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -125,7 +125,23 @@ class WindowStream:
 
     def stream(self, windows: Iterable[Window]) -> Iterator[tuple[Window, torch.Tensor]]:
         """Yield ``(window, bytes)``; ``bytes`` is valid until the next item is requested."""
+        for w, data, release in self.stream_detached(windows, hold=0):
+            try:
+                yield w, data
+            finally:
+                release()
+
+    def stream_detached(self, windows: Iterable[Window], hold: int
+                        ) -> Iterator[tuple[Window, torch.Tensor, Callable[[], None]]]:
+        """Yield ``(window, bytes, release)``: ``bytes`` stays valid until ``release()``.
+
+        The caller may keep up to ``hold`` windows unreleased while it asks for the next
+        (e.g. being reduced on worker threads); the pool needs ``depth + 1 + hold``
+        windows. Releasing every window it was given is the caller's job, also after an
+        error (the generator only frees the windows it has not handed out).
+        """
         pending: collections.deque = collections.deque()
+        held: dict[int, PooledBuffer] = {}
         it = iter(windows)
         crcs: dict[tuple[int, int], int] = {}
         present: dict[tuple[int, int], bool] = {}
@@ -143,9 +159,13 @@ class WindowStream:
                     fut.result()
                 data = buf.bytes[:w.nbytes]
                 self._check(w, data, crcs)
-                yield w, data
                 pending.popleft()
-                buf.release()
+                held[id(buf)] = buf
+
+                def release(buf=buf):
+                    if held.pop(id(buf), None) is not None:
+                        buf.release()
+                yield w, data, release
         finally:
             for _, buf, fut in pending:  # wait for reads still in flight before freeing
                 if fut is not None:
