@@ -11,11 +11,11 @@ import argparse
 import json
 import sys
 
-from offload_engine.checkpoint.inspect import KIND_LABELS, open_source
+from offload_engine.checkpoint.inspect import KIND_LABELS
 from offload_engine.checkpoint.inspect.diff import diff_sources
 
 from .consolidate import ProgressLine
-from .inspect import _num, _table
+from .inspect import _num, _table, open_input
 
 EXIT_DIFFERENT = 1
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
         raise ValueError("--rtol and --atol must be >= 0")
     mode = _mode(args.state)
-    with open_source(args.a, args.generation_a) as a, open_source(args.b, args.generation_b) as b:
+    with open_input(args.a, args.generation_a) as a, open_input(args.b, args.generation_b) as b:
         progress = ProgressLine(label="diff") if sys.stderr.isatty() else None
         report = diff_sources(a, b, rtol=args.rtol, atol=args.atol, mode=mode, names=args.name,
                               ignore_dtype=args.ignore_dtype, progress=progress)

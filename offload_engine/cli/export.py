@@ -10,9 +10,10 @@ import argparse
 
 import torch
 
-from offload_engine.checkpoint.inspect import open_source
 from offload_engine.checkpoint.inspect.export import export_tensor
 from offload_engine.units import format_bytes
+
+from .inspect import open_input
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -43,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    with open_source(args.path, args.generation) as source:
+    with open_input(args.path, args.generation) as source:
         r = export_tensor(source, args.name, args.out, state=args.state,
                           dtype=DTYPES[args.dtype] if args.dtype else None)
     print(f"wrote {r['name']} ({r['state']}, shape {r['shape']}, {r['dtype']}) to {r['path']} "

@@ -8,6 +8,7 @@ Exit codes: 0 ok; 3 ``--stats`` (or ``--plot``) found NaN or Inf; 2 bad input (o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -202,10 +203,19 @@ def print_health(h: dict, out) -> None:
         print("  NaN/Inf: none", file=out)
 
 
+def open_input(path: str, generation: str | None = None, **options):
+    """``open_source``, then ``gc.freeze()``: this process is short-lived, and a large
+    manifest's millions of objects would otherwise be walked by every later full garbage
+    collection (0.8 s each for 50,000 tensors over 8 ranks)."""
+    source = open_source(path, generation, **options)
+    gc.freeze()
+    return source
+
+
 def run(args: argparse.Namespace) -> int:
     window = parse_bytes(args.window_size)
     out = sys.stdout
-    with open_source(args.path, args.generation, window_bytes=window) as source:
+    with open_input(args.path, args.generation, window_bytes=window) as source:
         selected = select(source.tensors(), args.name, args.state)
         summary = summarise(source, selected)
         rows = _tensor_rows(selected)

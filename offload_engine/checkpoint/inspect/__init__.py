@@ -7,7 +7,7 @@ and returns an ``InspectSource``.
 
 from __future__ import annotations
 
-from .detect import detect
+from .detect import detect, detect_with_manifest
 from .errors import ChecksumError, InspectError
 from .model import KIND_LABELS, SourceInfo, StateMeta, TensorMeta
 from .source import InspectSource
@@ -17,10 +17,10 @@ def open_source(path: str, generation: str | None = None, **zarr_options) -> Ins
     """Open ``path`` as whatever kind it is (``detect``); ``generation`` picks a checkpoint
     generation or a DeepSpeed tag instead of the one ``latest`` names. ``zarr_options``
     (``window_bytes``, ``depth``) tune store and checkpoint reads."""
-    kind, target, gen = detect(path, generation)
+    kind, target, gen, attrs = detect_with_manifest(path, generation)
     if kind in ("store", "checkpoint"):
         from .zarr_source import ZarrSource
-        return ZarrSource(target, kind, generation=gen, **zarr_options)
+        return ZarrSource(target, kind, generation=gen, attrs=attrs, **zarr_options)
     if kind == "deepspeed":
         from .deepspeed_source import DeepSpeedInspectSource
         return DeepSpeedInspectSource(target, tag=gen)

@@ -21,7 +21,7 @@ import re
 
 from .errors import InspectError
 from .manifest import FORMATS
-from .zarr_source import read_manifest_attrs
+from .zarr_source import gc_paused, read_manifest_attrs
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 
@@ -33,10 +33,21 @@ def _is_ds_tag(d: str) -> bool:
         return False
 
 
-def _group_format(d: str) -> str | None:
+def _group_attrs(d: str) -> dict | None:
     if not os.path.isfile(os.path.join(d, "zarr.json")):
         return None
-    fmt = read_manifest_attrs(d).get("format")
+    return read_manifest_attrs(d)
+
+
+def _group_format(d: str, seen: dict | None = None) -> str | None:
+    """The manifest format of the group at ``d`` (None: not a group); ``seen`` keeps the
+    parsed attributes, so the manifest is read once even when it is large."""
+    attrs = _group_attrs(d)
+    if attrs is None:
+        return None
+    if seen is not None:
+        seen[os.path.abspath(d)] = attrs
+    fmt = attrs.get("format")
     return fmt if isinstance(fmt, str) else ""
 
 
@@ -54,6 +65,18 @@ def _read_latest(root: str) -> str:
 
 def detect(path: str, generation: str | None = None) -> tuple[str, str, str | None]:
     """``(kind, path to open, generation or tag)``; InspectError when it is none of them."""
+    return detect_with_manifest(path, generation)[:3]
+
+
+def detect_with_manifest(path: str, generation: str | None = None, seen: dict | None = None):
+    """``detect`` plus the group attributes it parsed for a store or checkpoint (else None)."""
+    seen = {} if seen is None else seen
+    with gc_paused():  # a large manifest is parsed here
+        kind, target, gen = _detect(path, generation, seen)
+    return kind, target, gen, seen.get(os.path.abspath(target))
+
+
+def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, str | None]:
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise InspectError(f"{path}: no such file or directory")
@@ -69,12 +92,12 @@ def detect(path: str, generation: str | None = None) -> tuple[str, str, str | No
         target = os.path.join(path, generation)
         if not os.path.isdir(target):
             raise InspectError(f"{target}: generation or tag folder {generation!r} not found")
-        if _group_format(target) == FORMATS["checkpoint"]:
+        if _group_format(target, seen) == FORMATS["checkpoint"]:
             return "checkpoint", target, generation
         if _is_ds_tag(target):
             return "deepspeed", path, generation
         raise InspectError(f"{target}: neither a checkpoint generation nor a DeepSpeed tag folder")
-    fmt = _group_format(path)
+    fmt = _group_format(path, seen)
     if fmt == FORMATS["store"]:
         return "store", path, None
     if fmt == FORMATS["checkpoint"]:
@@ -88,7 +111,7 @@ def detect(path: str, generation: str | None = None) -> tuple[str, str, str | No
         if not os.path.isdir(target):
             raise InspectError(f"{os.path.join(path, 'latest')} names {name!r}, but {target} "
                                f"does not exist")
-        if _group_format(target) == FORMATS["checkpoint"]:
+        if _group_format(target, seen) == FORMATS["checkpoint"]:
             return "checkpoint", target, name
         if _is_ds_tag(target):
             return "deepspeed", path, name

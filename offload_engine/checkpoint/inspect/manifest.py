@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -28,10 +29,10 @@ KNOWN_VERSIONS = (1,)
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Elements ``[dest, dest + numel)`` of a logical tensor's state are elements
-    ``[offset, offset + numel)`` of array ``array``, held by ``rank``."""
+    ``[offset, offset + numel)`` of array ``array``, held by ``rank``. (A tuple: a
+    manifest of 50,000 tensors over 8 ranks makes over a million of them.)"""
 
     dest: int
     numel: int
@@ -155,83 +156,111 @@ def _bare_arrays(arrays: dict[str, ArrayEntry]):
     return tensors, placements
 
 
+_EMPTY: dict = {}
+
+
+def _nat(value) -> bool:
+    return type(value) is int and value >= 0
+
+
 def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where: str):
+    """The tensor table. Checks run on every shard, so they are written for speed; the
+    error message is only built when one fails."""
     if not isinstance(doc, dict):
         raise InspectError(f"{where}: 'tensors' must be an object {{name: entry}}")
     itemsizes = {n: torch.empty((), dtype=a.dtype).element_size() for n, a in arrays.items()}
+    numels = {n: a.numel for n, a in arrays.items()}
     tensors, placements = [], {}
     for name, entry in doc.items():
-        what = f"tensor {name!r}"
-        if not isinstance(entry, dict):
-            raise InspectError(f"{where}: {what} must be an object")
+        if type(entry) is not dict:
+            raise InspectError(f"{where}: tensor {name!r} must be an object")
         shape = entry.get("shape")
-        if not isinstance(shape, list):
-            raise InspectError(f"{where}: {what} has no 'shape' list")
-        shape = tuple(_int(s, f"shape of {what}", where) for s in shape)
-        dtype = _dtype(entry.get("dtype"), what, where)
+        if type(shape) is not list or not all(_nat(d) for d in shape):
+            raise InspectError(f"{where}: tensor {name!r}: 'shape' must be a list of integers "
+                               f">= 0, got {shape!r}")
+        shape = tuple(shape)
+        dtype = _dtype(entry.get("dtype"), f"tensor {name!r}", where)
         rows = shape[0] if shape else 1
         row_numel = math.prod(shape[1:])
         shards = entry.get("shards")
-        if not isinstance(shards, list) or not shards:
-            raise InspectError(f"{where}: {what} has no 'shards' list")
+        if type(shards) is not list or not shards:
+            raise InspectError(f"{where}: tensor {name!r} has no 'shards' list")
         by_state: dict[str, list[Placement]] = {}
         covered = []
         for shard in shards:
-            if not isinstance(shard, dict):
-                raise InspectError(f"{where}: {what}: every shard must be an object")
-            rank = _int(shard.get("rank"), f"rank of a shard of {what}", where)
+            if type(shard) is not dict:
+                raise InspectError(f"{where}: tensor {name!r}: every shard must be an object")
+            get = shard.get
+            rank, row_start, nrows, numel = get("rank"), get("row_start"), get("rows"), get("numel")
+            if not (type(rank) is int and type(row_start) is int and type(nrows) is int
+                    and type(numel) is int and rank >= 0 and row_start >= 0 and nrows >= 0
+                    and numel >= 0):
+                raise InspectError(f"{where}: tensor {name!r}: a shard's rank, row_start, rows "
+                                   f"and numel must be integers >= 0, got {rank!r}, "
+                                   f"{row_start!r}, {nrows!r}, {numel!r}")
             if world is not None and rank >= world:
-                raise InspectError(f"{where}: {what} has a shard on rank {rank}, but world_size "
-                                   f"is {world}")
-            row_start = _int(shard.get("row_start"), f"row_start of {what}", where)
-            nrows = _int(shard.get("rows"), f"rows of {what}", where)
-            numel = _int(shard.get("numel"), f"numel of {what}", where)
+                raise InspectError(f"{where}: tensor {name!r} has a shard on rank {rank}, but "
+                                   f"world_size is {world}")
             if numel != nrows * row_numel:
-                raise InspectError(f"{where}: {what}, rank {rank}: numel {numel} is not rows "
-                                   f"{nrows} x {row_numel} elements per row")
+                raise InspectError(f"{where}: tensor {name!r}, rank {rank}: numel {numel} is not "
+                                   f"rows {nrows} x {row_numel} elements per row")
             covered.append((row_start, nrows, rank))
-            states = shard.get("states", {})
-            if not isinstance(states, dict):
-                raise InspectError(f"{where}: {what}, rank {rank}: 'states' must be an object")
-            if "param" in shard:  # the checkpoint writer keeps the parameter next to its states
-                states = {"param": shard["param"], **states}
+            states = get("states", _EMPTY)
+            if type(states) is not dict:
+                raise InspectError(f"{where}: tensor {name!r}, rank {rank}: 'states' must be an "
+                                   f"object")
+            param = get("param")
+            if param is not None:  # the checkpoint writer keeps the parameter beside its states
+                states = {"param": param, **states}
             if not states:
-                raise InspectError(f"{where}: {what}, rank {rank}: shard has no states")
+                raise InspectError(f"{where}: tensor {name!r}, rank {rank}: shard has no states")
+            dest = row_start * row_numel
             for state, ref in states.items():
-                if not isinstance(ref, dict) or ref.get("array") not in arrays:
-                    raise InspectError(
-                        f"{where}: {what}, rank {rank}, state {state!r}: array "
-                        f"{ref.get('array') if isinstance(ref, dict) else ref!r} is not in 'arrays'")
-                array = ref["array"]
-                offset = _int(ref.get("offset"), f"offset of {what}/{state}", where)
-                if offset + numel > arrays[array].numel:
-                    raise InspectError(
-                        f"{where}: {what}, rank {rank}, state {state!r}: elements [{offset}, "
-                        f"{offset + numel}) run past the {arrays[array].numel} of array {array!r}")
-                by_state.setdefault(state, []).append(
-                    Placement(row_start * row_numel, numel, array, offset, rank))
-        _check_rows(covered, rows, what, where)
+                if type(ref) is not dict:
+                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel, numels))
+                array, offset = ref.get("array"), ref.get("offset")
+                limit = numels.get(array)
+                if (limit is None or type(offset) is not int or offset < 0
+                        or offset + numel > limit):
+                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel, numels))
+                pls = by_state.get(state)
+                if pls is None:
+                    pls = by_state[state] = []
+                pls.append(Placement(dest, numel, array, offset, rank))
+        _check_rows(covered, rows, f"tensor {name!r}", where)
         states_meta = {}
         for state, pls in by_state.items():
             if len(pls) != len(shards):
                 missing = sorted({r for _, _, r in covered} - {p.rank for p in pls})
-                raise InspectError(f"{where}: {what}: state {state!r} is missing from the shard "
-                                   f"of rank(s) {missing}")
-            pls.sort(key=lambda p: p.dest)
+                raise InspectError(f"{where}: tensor {name!r}: state {state!r} is missing from "
+                                   f"the shard of rank(s) {missing}")
+            pls.sort()
             sdtype = arrays[pls[0].array].dtype
             per_rank: dict = {}
             for p in pls:
                 if arrays[p.array].dtype != sdtype:
-                    raise InspectError(f"{where}: {what}: state {state!r} is held in arrays of "
-                                       f"different dtypes")
+                    raise InspectError(f"{where}: tensor {name!r}: state {state!r} is held in "
+                                       f"arrays of different dtypes")
                 per_rank[p.rank] = per_rank.get(p.rank, 0) + p.numel * itemsizes[p.array]
             states_meta[state] = StateMeta(sdtype, rows * row_numel, per_rank)
             placements[(name, state)] = pls
         optimizer = entry.get("optimizer")
-        if optimizer is not None and not isinstance(optimizer, str):
-            raise InspectError(f"{where}: {what}: 'optimizer' must be a string")
+        if optimizer is not None and type(optimizer) is not str:
+            raise InspectError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
         tensors.append(TensorMeta(name, shape, dtype, optimizer, states_meta))
     return tensors, placements
+
+
+def _bad_ref(where, name, rank, state, ref, numel, numels) -> str:
+    head = f"{where}: tensor {name!r}, rank {rank}, state {state!r}"
+    if type(ref) is not dict or ref.get("array") not in numels:
+        array = ref.get("array") if type(ref) is dict else ref
+        return f"{head}: array {array!r} is not in 'arrays'"
+    offset = ref.get("offset")
+    if not _nat(offset):
+        return f"{head}: offset must be an integer >= 0, got {offset!r}"
+    return (f"{head}: elements [{offset}, {offset + numel}) run past the "
+            f"{numels[ref['array']]} of array {ref['array']!r}")
 
 
 def _check_rows(covered: list, rows: int, what: str, where: str) -> None:
