@@ -12,19 +12,22 @@ import time
 
 from offload_engine.checkpoint.consolidate import DTYPES, consolidate, verify_output
 from offload_engine.checkpoint.deepspeed import DeepSpeedSource
+from offload_engine.checkpoint.our_source import CheckpointSource, is_our_checkpoint
 from offload_engine.checkpoint.safetensors_writer import parse_size
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "consolidate",
-        help="merge a DeepSpeed ZeRO-1/2/3 checkpoint into Hugging Face (sharded) safetensors",
-        description="Merge the fp32 master weights of a DeepSpeed ZeRO-1/2/3 checkpoint (plus "
-                    "frozen parameters and buffers) into model.safetensors, or "
+        help="merge an offload-engine or DeepSpeed ZeRO-1/2/3 checkpoint into Hugging Face "
+             "(sharded) safetensors",
+        description="Merge the parameters of an offload-engine checkpoint (any world size), or "
+                    "the fp32 master weights of a DeepSpeed ZeRO-1/2/3 checkpoint (plus "
+                    "frozen parameters and buffers), into model.safetensors, or "
                     "model-0000i-of-0000N.safetensors + model.safetensors.index.json, streaming "
                     "with bounded memory. deepspeed is not needed.")
-    p.add_argument("src", metavar="SRC", help="DeepSpeed checkpoint folder (holding 'latest' or "
-                                              "the tag folder named by --tag)")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder (ours or DeepSpeed's, holding "
+                                              "'latest' or the tag folder named by --tag)")
     p.add_argument("out", metavar="OUT", help="output folder (created; earlier model*.safetensors "
                                               "files in it are replaced)")
     p.add_argument("--max-shard-size", default="5GB",
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     max_shard = parse_size(args.max_shard_size)
     window = parse_size(args.window_size)
     dtype = DTYPES[args.dtype]
-    with DeepSpeedSource(args.src, tag=args.tag, exclude_frozen=args.exclude_frozen) as source:
+    kind = CheckpointSource if is_our_checkpoint(args.src) else DeepSpeedSource
+    with kind(args.src, tag=args.tag, exclude_frozen=args.exclude_frozen) as source:
         progress = ProgressLine() if sys.stderr.isatty() else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
                              window_bytes=window, progress=progress)

@@ -1,0 +1,104 @@
+"""Load a checkpoint generation into a model and its ZeroMuon optimizer, at the world size
+it was saved with or another one (all ranks call it).
+
+Each rank computes its own row block of every parameter from the *current* sharding and
+reads those rows from whichever saved shards hold them (the manifest's ``row_start``,
+``rows`` and offsets), one parameter at a time, verifying the crc32c of every chunk it
+reads. Parameters are written into the model in place; state goes into the optimizer's
+store.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..io import AsyncFileIO
+from ..layout import FlatArray
+from ..layout.dtypes import torch_to_zarr
+from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
+from .checksums import ChunkVerifier
+from .generations import CheckpointError, manifest, resolve
+from .save import _collective, param_name
+
+
+@torch.no_grad()
+def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str | None = None) -> int:
+    """Restore parameters and optimizer state from ``ckpt_dir`` (the ``latest`` generation,
+    or ``tag``); returns the step it was saved at. Raises CheckpointError (naming the file)
+    for a missing, torn or corrupt checkpoint or one of another model."""
+    gen = resolve(ckpt_dir, tag)
+    attrs = manifest(gen)
+    rank, _, _ = _collective()
+    opt = optimizer
+    tensors = attrs["tensors"]
+    verifier = ChunkVerifier(gen, attrs["checksums"])
+    io = AsyncFileIO(threads=4, queue_depth=4)
+    arrays: dict[str, FlatArray] = {}
+
+    def array(name: str) -> FlatArray:
+        if name not in arrays:
+            path = os.path.join(gen, name)
+            try:
+                arrays[name] = FlatArray.open(path, io=io, mode="r")
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{path}: cannot open: {e}") from None
+        return arrays[name]
+
+    try:
+        for info in opt.infos:
+            pname = param_name(info)
+            entry = tensors.get(pname)
+            if entry is None:
+                raise CheckpointError(f"{gen}: the checkpoint has no parameter {pname!r}")
+            if tuple(entry["shape"]) != info.shape or entry["dtype"] != torch_to_zarr(info.dtype):
+                raise CheckpointError(
+                    f"{gen}: parameter {pname} is {entry['dtype']} {entry['shape']} in the "
+                    f"checkpoint but {torch_to_zarr(info.dtype)} {list(info.shape)} in the model")
+            r = rank if info.distributed else 0
+            lo, rows, rn = info.row_offset(r), info.rows_per_rank[r], info.row_numel
+
+            def gather(key: str, dtype: torch.dtype) -> torch.Tensor:
+                out = torch.empty(rows * rn, dtype=dtype)
+                covered = 0
+                for sh in entry["shards"]:
+                    a, b = max(lo, sh["row_start"]), min(lo + rows, sh["row_start"] + sh["rows"])
+                    if a >= b:
+                        continue
+                    where = sh["param"] if key == "param" else sh["states"].get(key)
+                    if where is None:
+                        raise CheckpointError(f"{gen}: shard of rank {sh['rank']} of {pname} "
+                                              f"has no {key!r}")
+                    flat = array(where["array"])
+                    if flat.dtype != dtype:
+                        raise CheckpointError(f"{flat.path}: holds {flat.dtype}, expected {dtype}")
+                    start = where["offset"] + (a - sh["row_start"]) * rn
+                    stop = start + (b - a) * rn
+                    verifier.verify(where["array"], flat, start, stop)
+                    flat.read_into(start, stop, out[(a - lo) * rn:(b - lo) * rn]).result()
+                    covered += (b - a) * rn
+                if covered != rows * rn:
+                    raise CheckpointError(f"{gen}: the saved shards of {pname} cover {covered} of "
+                                          f"the {rows * rn} elements this rank needs (missing rank?)")
+                return out
+
+            param = local_param(info)
+            param.view(-1).copy_(gather("param", info.dtype).to(param.device))
+            saved_states = set(entry["shards"][0]["states"]) if entry["shards"] else set()
+            if not saved_states:
+                continue
+            wanted = param_state_arrays(opt, info)
+            for key in wanted:
+                if key not in saved_states:
+                    raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
+                dtype = array(entry["shards"][0]["states"][key]["array"]).dtype
+                write_param_state(opt, info, key, gather(key, dtype))
+            mark_restored(opt, info, entry.get("adam_step"))
+        for saved, group in zip(attrs.get("param_groups", []), opt.param_groups):
+            for k, v in saved.items():
+                if k in group and k != "use_muon":
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    finally:
+        io.close()
+    return int(attrs["step"])

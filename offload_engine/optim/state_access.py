@@ -1,0 +1,55 @@
+"""Per-parameter access to ZeroMuon's state for the checkpoint layer, one parameter at a
+time (memory bounded by the largest local shard, never the whole state).
+
+State keys are torch's: ``momentum_buffer`` (Muon, lerp convention), ``exp_avg``,
+``exp_avg_sq``, ``max_exp_avg_sq`` (AdamW) and ``master_param``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sharding import ParamInfo, local_tensor
+from .state_io import _read_array, _write_array, state_key
+
+
+def param_state_arrays(opt, info: ParamInfo) -> dict[str, str]:
+    """``{torch state key: layout array name}`` for one parameter."""
+    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+    return {state_key(name): name for name in chunk.arrays}
+
+
+def read_param_state(opt, info: ParamInfo, key: str) -> torch.Tensor:
+    """This rank's rows of state ``key`` of ``info`` as a flat CPU tensor (a copy)."""
+    name = param_state_arrays(opt, info)[key]
+    return _read_array(opt, info, name).reshape(-1).cpu()
+
+
+def write_param_state(opt, info: ParamInfo, key: str, flat: torch.Tensor) -> None:
+    """Set this rank's rows of state ``key`` of ``info`` from a flat tensor."""
+    name = param_state_arrays(opt, info)[key]
+    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+    dtype = torch.float32 if key == "master_param" else chunk.state_dtype
+    _write_array(opt, info, name, flat.to(dtype=dtype, device=opt.device))
+
+
+def adam_step(opt, info: ParamInfo) -> float | None:
+    """The AdamW step count of ``info`` (None before its first step or for Muon)."""
+    st = opt.state.get(info.param, {})
+    return float(st["step"]) if "step" in st else None
+
+
+def mark_restored(opt, info: ParamInfo, step: float | None) -> None:
+    """After every state of ``info`` was written: it has state now (and its AdamW step)."""
+    if info.kind == "adamw" and step is not None:
+        opt.state[info.param]["step"] = torch.tensor(float(step), dtype=torch.float32)
+    opt._initialized.add(info.index)
+
+
+def has_state(opt, info: ParamInfo) -> bool:
+    return info.index in opt._initialized
+
+
+def local_param(info: ParamInfo) -> torch.Tensor:
+    """This rank's rows of the parameter (a view: writing into it updates the model)."""
+    return local_tensor(info.param)

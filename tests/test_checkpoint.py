@@ -1,0 +1,252 @@
+"""Checkpoints: bitwise round trips, resharding, crash safety, corrupt input.
+
+Real processes (gloo) for world sizes 2, 3 and 1. The reference is torch.optim.Muon +
+AdamW on the unsharded model: after a load at any world size, parameters and every state
+tensor must equal it bit for bit, and two more steps must keep them equal.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from offload_engine.checkpoint import CheckpointError, ChecksumError, load_checkpoint, resolve, save_checkpoint
+from offload_engine.cli.main import main as cli_main
+from offload_engine.optim import ZeroMuon
+from zero_muon_harness import (MIXED_SHAPES, assert_parity, make_pair, reference_optimizers,
+                               set_grads, spawn)
+
+MUON = dict(lr=0.02, weight_decay=0.1)
+ADAMW = dict(lr=3e-3, weight_decay=0.01)
+KiB = 1024
+
+
+def store(path: str) -> dict:
+    return {"nvme_paths": [path], "bucket_bytes": 4 * KiB, "cpu_budget": 16 * KiB,
+            "prefetch_depth": 1, "io_threads": 2, "acquire_timeout_s": 30}
+
+
+def train_and_save(rank, world, mesh, tmp):
+    model, ref = make_pair(MIXED_SHAPES, mesh, seed=3)
+    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
+                   store=store(os.path.join(tmp, f"state-w{world}")))
+    ref_opts = reference_optimizers(ref, MUON, ADAMW)
+    for step in range(3):
+        set_grads(model, ref, step, rank, world)
+        opt.step()
+        for o in ref_opts:
+            o.step()
+    save_checkpoint(os.path.join(tmp, "ck"), model, opt, 3)
+    if rank == 0:
+        torch.save({"model": ref.state_dict(), "opts": [o.state_dict() for o in ref_opts]},
+                   os.path.join(tmp, "reference.pt"))
+    opt.close()
+
+
+def load_and_check(rank, world, mesh, tmp, src, resave):
+    model, ref = make_pair(MIXED_SHAPES, mesh, seed=77)  # different weights until loaded
+    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
+                   store=store(os.path.join(tmp, f"state-load-w{world}-{src}")))
+    saved = torch.load(os.path.join(tmp, "reference.pt"))
+    ref.load_state_dict(saved["model"])
+    ref_opts = reference_optimizers(ref, MUON, ADAMW)
+    for o, sd in zip(ref_opts, saved["opts"]):
+        o.load_state_dict(sd)
+    assert load_checkpoint(os.path.join(tmp, src), model, opt) == 3
+    assert_parity(opt, model, ref, ref_opts, rank, world, f"after load at W={world}")
+    if resave:
+        save_checkpoint(os.path.join(tmp, resave), model, opt, 3)
+    for step in (3, 4):
+        set_grads(model, ref, step, rank, world)
+        opt.step()
+        for o in ref_opts:
+            o.step()
+    assert_parity(opt, model, ref, ref_opts, rank, world, f"two steps after load at W={world}")
+    opt.close()
+
+
+def test_round_trip_is_bitwise_and_reshards(tmp_path):
+    tmp = str(tmp_path)
+    spawn(2, train_and_save, tmp)
+    spawn(2, load_and_check, tmp, "ck", None)          # same world size
+    spawn(3, load_and_check, tmp, "ck", "ck3")         # 2 -> 3 (rows < W shards included)
+    spawn(1, load_and_check, tmp, "ck3", None)         # 3 -> 1
+
+
+# -- single process helpers ------------------------------------------------------------------
+def small_run(tmp, steps=2, name="run"):
+    model, _ = make_pair(MIXED_SHAPES, None, seed=5)
+    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
+                   store=store(os.path.join(tmp, name)))
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.01 * (step + 1))
+        opt.step()
+    return model, opt
+
+
+def test_single_process_round_trip_and_consolidate(tmp_path):
+    from safetensors.torch import load_file
+
+    model, opt = small_run(str(tmp_path))
+    ck = str(tmp_path / "ck")
+    gen = save_checkpoint(ck, model, opt, 2)
+    assert os.path.basename(gen) == "step-00000002" and open(os.path.join(ck, "latest")).read().strip() == "step-00000002"
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want_state = opt.state_dict()
+    opt.close()
+    model2, opt2 = small_run(str(tmp_path), steps=0, name="run2")
+    assert load_checkpoint(ck, model2, opt2) == 2
+    for n, p in model2.named_parameters():
+        assert torch.equal(p, want[n]), n
+    got = opt2.state_dict()
+    for i, entry in want_state["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    opt2.close()
+    out = str(tmp_path / "hf")
+    assert cli_main(["consolidate", ck, out, "--verify"]) == 0
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    assert set(tensors) == set(want) and all(torch.equal(tensors[n], want[n]) for n in want)
+
+
+# -- corrupt, truncated or missing files -----------------------------------------------------
+@pytest.fixture
+def saved(tmp_path):
+    model, opt = small_run(str(tmp_path))
+    ck = str(tmp_path / "ck")
+    save_checkpoint(ck, model, opt, 2)
+    opt.close()
+    return ck
+
+
+def loader(tmp_path):
+    model, opt = small_run(str(tmp_path), steps=0, name=f"load{random.random()}")
+    return model, opt
+
+
+def first_chunk(ck, array="rank0/param"):
+    return os.path.join(ck, "step-00000002", array, "c", "0")
+
+
+def test_flipped_byte_is_a_checksum_error_naming_the_file(saved, tmp_path, capsys):
+    path = first_chunk(saved)
+    with open(path, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0x40]))
+    model, opt = loader(tmp_path)
+    with pytest.raises(ChecksumError, match=f"{path}: checksum mismatch"):
+        load_checkpoint(saved, model, opt)
+    opt.close()
+    assert cli_main(["consolidate", saved, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert path in err and err.count("\n") == 1
+
+
+def test_truncated_chunk_names_the_file(saved, tmp_path):
+    path = first_chunk(saved, "rank0/exp_avg")
+    os.truncate(path, 100)
+    model, opt = loader(tmp_path)
+    with pytest.raises(OSError, match=path):
+        load_checkpoint(saved, model, opt)
+    opt.close()
+
+
+def test_broken_manifest_and_missing_pieces(saved, tmp_path):
+    model, opt = loader(tmp_path)
+    os.remove(os.path.join(saved, "latest"))
+    with pytest.raises(CheckpointError, match="latest: missing"):
+        load_checkpoint(saved, model, opt)
+    with open(os.path.join(saved, "latest"), "w") as f:
+        f.write("step-00000002\n")
+    meta = os.path.join(saved, "step-00000002", "zarr.json")
+    text = open(meta).read()
+    with open(meta, "w") as f:
+        f.write(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match="zarr.json"):
+        load_checkpoint(saved, model, opt)
+    with open(meta, "w") as f:
+        f.write(text)
+    import shutil
+    shutil.rmtree(os.path.join(saved, "step-00000002", "rank0", "momentum_buffer"))
+    with pytest.raises(CheckpointError, match="momentum_buffer: cannot open"):
+        load_checkpoint(saved, model, opt)
+    opt.close()
+
+
+def test_checkpoint_of_another_model_is_refused(saved, tmp_path):
+    from torch import nn
+    model = nn.Module()
+    model.w_tall = nn.Parameter(torch.zeros(5, 5))
+    opt = ZeroMuon(model.named_parameters(), store=store(str(tmp_path / "other")))
+    with pytest.raises(CheckpointError, match="w_tall is float32 \\[24, 8\\] in the checkpoint"):
+        load_checkpoint(saved, model, opt)
+    opt.close()
+
+
+# -- kill -9 of the writer ---------------------------------------------------------------------
+WRITER = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {tests!r})
+    from zero_muon_harness import MIXED_SHAPES, make_pair
+    from offload_engine.optim import ZeroMuon
+    from offload_engine.checkpoint import save_checkpoint
+    ck, state = sys.argv[1], sys.argv[2]
+    shapes = dict(MIXED_SHAPES, big=(256, 512))   # ~1.5 MB of state: saves take a while
+    model, _ = make_pair(shapes, None, seed=1)
+    opt = ZeroMuon(model.named_parameters(), lr=0.02, store={{"nvme_paths": [state],
+                   "bucket_bytes": 65536, "cpu_budget": 1 << 20}})
+    print("ready", flush=True)
+    for step in range(1, 10_000):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.001 * step)
+        opt.step()
+        # what step `step` must load as: written (atomically) before its checkpoint starts
+        expected = {{n: p.detach().clone() for n, p in model.named_parameters()}}
+        torch.save(expected, os.path.join(ck, f".expected-{{step}}.tmp"))
+        os.replace(os.path.join(ck, f".expected-{{step}}.tmp"), os.path.join(ck, f"expected-{{step}}.pt"))
+        save_checkpoint(ck, model, opt, step)
+""")
+
+
+def test_kill_9_never_leaves_a_checkpoint_that_loads_but_is_wrong(tmp_path):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    rng = random.Random(1234)
+    loaded_steps = []
+    for trial in range(20):
+        ck, state = tmp_path / f"ck{trial}", tmp_path / f"state{trial}"
+        ck.mkdir()
+        proc = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=tests), str(ck), str(state)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 1.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        try:
+            gen = resolve(str(ck))
+        except CheckpointError:
+            assert not (ck / "latest").exists()  # killed before the first commit
+            continue
+        step = int(os.path.basename(gen).split("-")[1])
+        expected = torch.load(ck / f"expected-{step}.pt")
+        model, opt = make_pair(dict(MIXED_SHAPES, big=(256, 512)), None, seed=9)[0], None
+        opt = ZeroMuon(model.named_parameters(), lr=0.02, store=store(str(tmp_path / f"load{trial}")))
+        assert load_checkpoint(str(ck), model, opt) == step
+        for n, p in model.named_parameters():
+            assert torch.equal(p, expected[n]), f"trial {trial}: {n} wrong after load of step {step}"
+        opt.close()
+        for torn in ck.glob("*.partial"):
+            with pytest.raises(CheckpointError, match="torn"):
+                resolve(str(ck), torn.name)
+        loaded_steps.append(step)
+    print("loaded steps", loaded_steps, "torn seen", sum(1 for t in range(20) for _ in (tmp_path / f"ck{t}").glob("*.partial")))
+    assert loaded_steps, "no trial got as far as a commit: the kill window is too early"
