@@ -1,0 +1,162 @@
+"""Train the demo model with FSDP2 + ZeroMuon across W real processes.
+
+``launch(cfg)`` starts W processes (gloo on CPU, nccl on CUDA), each holding one FSDP2
+shard of the model and one TieredStore of optimizer state under ``cfg.store_dir``. Rank 0
+sends one record per step to the parent (loss bits, step time, bytes moved, hit rate), so
+the parent can print progress, compare runs bit for bit, and kill the run (SIGKILL, a real
+crash) after a given step.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import struct
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Sizes in elements/tokens; paths are directories."""
+
+    store_dir: str
+    model: str = "small"
+    world_size: int = 2
+    steps: int = 60
+    batch_size: int = 8          # sequences per rank per step
+    seq_len: int = 64
+    muon_lr: float = 0.02
+    adamw_lr: float = 3e-3
+    seed: int = 0
+    cpu_budget: str = "16MiB"    # pinned pool per rank: smaller than the state, so it streams
+    bucket_bytes: str = "2MiB"
+    clip_norm: float = 1.0
+    checkpoint_dir: str | None = None
+    checkpoint_steps: list[int] = field(default_factory=list)  # save after these steps
+    resume: bool = False         # start from the latest checkpoint in checkpoint_dir
+    kill_after: int | None = None  # the parent SIGKILLs the run once this step is reported
+
+
+def loss_bits(x: float) -> str:
+    """The float32 bits of a loss as hex: equal strings mean bitwise-equal losses."""
+    return struct.pack("<f", x).hex()
+
+
+def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..optim import ZeroMuon
+    from .data import MarkovText
+    from .model import PRESETS, build_model
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=cfg.world_size)
+    try:
+        device = "cuda" if cuda else "cpu"
+        mesh = init_device_mesh(device, (cfg.world_size,))
+        model = build_model(cfg.model, seed=cfg.seed).to(device)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        store = {"nvme_paths": [os.path.join(cfg.store_dir, "state")],
+                 "cpu_budget": cfg.cpu_budget, "bucket_bytes": cfg.bucket_bytes,
+                 "io_threads": 4, "queue_depth": 4, "block_size": "2MiB", "prefetch_depth": 2}
+        if cuda:
+            store["gpu_budget"] = "256MiB"  # staging for buckets acquired on the GPU
+        opt = ZeroMuon(model.named_parameters(), lr=cfg.muon_lr, weight_decay=0.1,
+                       adamw={"lr": cfg.adamw_lr, "betas": (0.9, 0.95), "weight_decay": 0.01},
+                       store=store)
+        start = 0
+        if cfg.resume:
+            from ..checkpoint import load_checkpoint
+            start = load_checkpoint(cfg.checkpoint_dir, model, opt)
+        preset = PRESETS[cfg.model]
+        data = MarkovText(preset.vocab_size, min(cfg.seq_len, preset.max_seq_len), seed=1234 + cfg.seed)
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            x, y = data.batch(step, rank, cfg.batch_size)
+            logits = model(x.to(device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            mean = float(mean) / cfg.world_size
+            st = opt.last_step_stats
+            saved = None
+            if step in cfg.checkpoint_steps:
+                from ..checkpoint import save_checkpoint
+                saved = save_checkpoint(cfg.checkpoint_dir, model, opt, step)
+            if rank == 0:
+                out.put({"step": step, "loss": mean, "loss_bits": loss_bits(mean),
+                         "step_s": time.perf_counter() - t0, "opt_s": st.step_s,
+                         "read": st.store_bytes_read.get("nvme", 0),
+                         "written": st.store_bytes_written.get("nvme", 0),
+                         "hits": st.store_hits, "misses": st.store_misses,
+                         "io_wait_s": st.store_io_wait_s, "a2a_sent": st.a2a_bytes_sent,
+                         "checkpoint": saved})
+        opt.close()
+        if rank == 0:
+            out.put({"done": True})
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(cfg: TrainConfig, on_step=None, timeout_s: float = 900) -> dict:
+    """Run ``cfg`` in W spawned processes; returns {"records": [...], "killed": bool}.
+
+    ``on_step(record)`` is called in the parent for every step rank 0 reports.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    records, killed, done = [], False, False
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(r, cfg, rendezvous, out), daemon=True)
+                 for r in range(cfg.world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not done:
+                try:
+                    rec = out.get(timeout=1.0)
+                except queue.Empty:
+                    if any(p.exitcode not in (None, 0) for p in procs):
+                        codes = [p.exitcode for p in procs]
+                        raise RuntimeError(f"a training process failed (exit codes {codes})")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"training did not finish in {timeout_s:.0f} s")
+                    continue
+                if rec.get("done"):
+                    done = True
+                    break
+                records.append(rec)
+                if on_step:
+                    on_step(rec)
+                if cfg.kill_after is not None and rec["step"] >= cfg.kill_after:
+                    for p in procs:
+                        os.kill(p.pid, signal.SIGKILL)  # a real crash: no cleanup runs
+                    killed = True
+                    break
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    return {"records": records, "killed": killed, "config": asdict(cfg)}
