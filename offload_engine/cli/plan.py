@@ -12,11 +12,10 @@ import argparse
 import json
 import os
 
-from ..plan import disk_profile
-from ..plan.memory import DTYPES, PlanOptions
-from ..plan.model_shapes import load_model
-from ..plan.planner import DEFAULT_IO, Machine, Workload, build_plan
 from ..units import format_bytes, parse_bytes
+
+# the byte model (torch, the optimizer's code) is imported when the command runs, so that
+# building the parser for other subcommands does not pay for it
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -98,7 +97,9 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def machine_from_args(args) -> Machine:
+def machine_from_args(args):
+    from ..plan import disk_profile
+    from ..plan.planner import DEFAULT_IO, Machine
     cpu_mem = _host_memory() if args.cpu_mem == "auto" else parse_bytes(args.cpu_mem)
     m = Machine(gpu_mem=args.gpu_mem, cpu_mem=cpu_mem, gpus_per_node=args.gpus_per_node,
                 nvme_paths=[os.path.abspath(p) for p in args.nvme], dwpd_rating=args.dwpd)
@@ -141,6 +142,9 @@ def _host_memory() -> int:
 
 
 def run(args) -> int:
+    from ..plan.memory import DTYPES, PlanOptions
+    from ..plan.model_shapes import load_model
+    from ..plan.planner import Workload, build_plan
     model = load_model(args.model)
     opts = PlanOptions(world_size=args.world_size, gpus_per_node=args.gpus_per_node,
                        param_dtype=DTYPES[args.param_dtype], master_weights=args.master_offload,
@@ -245,7 +249,9 @@ def format_plan(doc: dict) -> str:
     nr, nw = t["nvme_read_bytes_per_step_per_node"], t["nvme_written_bytes_per_step_per_node"]
     out.append(f"NVMe traffic per step and node: read {_b(max(nr))}, written {_b(max(nw))}")
     bw = t["bandwidth"]
-    if bw["read_gbps"]:
+    if not max(nr) and not max(nw):
+        out.append("optimizer I/O time per step: none (no NVMe traffic)")
+    elif bw["read_gbps"]:
         out.append(f"optimizer I/O time per step: {t['io_time_s_mean']:.3f} s at read "
                    f"{bw['read_gbps']:.2f} GB/s, write {bw['write_gbps']:.2f} GB/s per node "
                    f"({bw['source']})")
@@ -257,7 +263,7 @@ def format_plan(doc: dict) -> str:
     a = t["all_to_all_bytes_per_step_per_rank"]
     out.append(f"all_to_all per step and rank: sent {_b(a['sent'])}, received {_b(a['received'])} "
                f"in {a['calls']} calls")
-    if t["drive_writes_per_day"] is not None:
+    if t["drive_writes_per_day"] is not None and max(nw):
         ok = "within" if t["endurance_ok"] else "OVER"
         out.append(f"drive writes per day: {t['drive_writes_per_day']:.2f} ({ok} the {t['dwpd_rating']:g} "
                    f"DWPD rating; {t['step_time_source']}, {t['step_time_s']:.3f} s per step)")

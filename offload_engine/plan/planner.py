@@ -371,7 +371,7 @@ def _notes(doc, place: Placement, machine: Machine, opts: PlanOptions, workload)
         notes.append(f"bucket padding: {st['padding_bytes']} B of the {st['bytes']} B of state "
                      f"per rank ({100 * st['padding_bytes'] / st['bytes']:.0f}%) are padding (each "
                      "optimizer chunk starts on a bucket boundary) and are stored and moved too; "
-                     "a smaller --bucket-bytes pads less")
+                     "another --bucket-bytes may pad less")
     if opts.gpu and not workload.activations:
         notes.append("activations are not modelled: the GPU figure is model state, buffers and "
                      "the store's staging arena (add --activations BYTES)")
