@@ -389,3 +389,16 @@ def test_real_checkpoint_from_zero_muon(tmp_path, capsys):
         assert torch.equal(torch.load(out_file, weights_only=True), p.detach())
     rc, o, err = run_cli(["diff", tmp_path / "ck", tmp_path / "ck", "--state", "all"], capsys)
     assert rc == 0, o + err
+
+
+def test_layer_norms_for_the_plot():
+    from offload_engine.checkpoint.inspect.plot import layer_norms
+    s = lambda sq: {"sumsq": sq}
+    stats = {("layers.0.w", "master"): s(9.0), ("layers.0.b", "master"): s(16.0),
+             ("layers.1.w", "master"): s(4.0), ("layers.1.w", "exp_avg"): s(1.0),
+             ("emb.weight", "exp_avg"): s(0.25)}
+    layers, norms = layer_norms(stats, ["emb.weight", "layers.0.w", "layers.0.b", "layers.1.w",
+                                        "not.in.stats"])
+    assert layers == ["emb", "layers.0", "layers.1"]
+    assert norms["master"][1:] == [5.0, 2.0] and math.isnan(norms["master"][0])
+    assert norms["exp_avg"][0] == 0.5 and math.isnan(norms["exp_avg"][1])

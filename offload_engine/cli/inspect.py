@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
             if args.plot:
                 from offload_engine.checkpoint.inspect.plot import plot_layer_norms
                 plot_layer_norms(stats, [t.name for t, _ in selected], args.plot,
-                                 f"{KIND_LABELS[source.info.kind]}: {source.info.path}")
+                                 f"{KIND_LABELS[source.info.kind]}: {source.info.path}",
+                                 floating=floating)
                 result["plot"] = args.plot
     if args.json:
         json.dump(result, out, indent=2, default=str)

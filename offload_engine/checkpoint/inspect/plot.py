@@ -14,7 +14,10 @@ from .health import layer_of
 
 
 def layer_norms(stats: dict, order: list[str]) -> tuple[list[str], dict[str, list[float]]]:
-    """(layers in order, {state: [L2 norm per layer, NaN where absent]})."""
+    """(layers in order, {state: [L2 norm per layer, NaN where absent]}) of the keys in
+    ``stats``; layers follow ``order`` (tensor names) and hold at least one key."""
+    names = {name for name, _ in stats}
+    order = [n for n in order if n in names]
     layers: list[str] = []
     seen = set()
     for name in order:
@@ -32,7 +35,10 @@ def layer_norms(stats: dict, order: list[str]) -> tuple[list[str], dict[str, lis
                     for state, row in sums.items()}
 
 
-def plot_layer_norms(stats: dict, order: list[str], out_path: str, title: str) -> None:
+def plot_layer_norms(stats: dict, order: list[str], out_path: str, title: str,
+                     floating: set | None = None) -> None:
+    """Draw ``stats`` ({(tensor, state): stats}) into ``out_path``; only the keys in
+    ``floating`` when given (an integer step counter or a boolean mask is no norm to plot)."""
     try:
         import matplotlib
     except ImportError:
@@ -41,6 +47,8 @@ def plot_layer_norms(stats: dict, order: list[str], out_path: str, title: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if floating is not None:
+        stats = {k: v for k, v in stats.items() if k in floating}
     layers, norms = layer_norms(stats, order)
     fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.35 * len(layers) + 4)), 4.5))
     x = list(range(len(layers)))
