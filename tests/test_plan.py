@@ -282,3 +282,38 @@ def test_text_output_names_every_tier(capsys):
     for words in ("GPU per rank", "CPU per node", "NVMe per node", "verdict:", "store config:",
                   "all_to_all per step and rank"):
         assert words in out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8, 64])
+def test_rank_states_equal_zero_muons_own_layout_and_exchange_plan_per_rank(world):
+    """The planner groups identical ranks and sums owners' shares; this compares it, rank by
+    rank, with ZeroMuon's build_layout and comm.plan_chunk on every rank's full rows."""
+    from offload_engine.optim.comm import plan_chunk
+    from offload_engine.optim.owners import assign_owners
+    from offload_engine.plan.memory import param_infos, rank_layout
+    shapes = from_hf_config({"model_type": "llama", "hidden_size": 96, "intermediate_size": 200,
+                             "num_hidden_layers": 3, "num_attention_heads": 6,
+                             "num_key_value_heads": 2, "vocab_size": 301})
+    opts = PlanOptions(world_size=world, bucket_bytes=16384, master_weights=world % 2 == 1)
+    states = rank_states(shapes, opts)
+    infos = param_infos(shapes, opts)  # every rank's rows
+    for r in range(world):
+        layout = rank_layout(infos, r, opts)
+        st = states[r]
+        assert dict(layout.arrays) == {n: (a.dtype, a.numel) for n, a in st.arrays.items()}
+        muon = [c for c in layout.chunks if c.kind == "muon"]
+        dist = [c for c in muon if c.distributed and world > 1]
+        owners = assign_owners([[infos[p].shape for p in c.params] for c in dist], world, 5)
+        owner_of = {c.index: o for c, o in zip(dist, owners)}
+        plans = [plan_chunk([infos[p] for p in c.params],
+                            owner_of.get(c.index, [r] * len(c.params)), r, world, c.distributed)
+                 for c in muon]
+        assert st.send_max == max((pl.send_numel for pl in plans), default=0)
+        assert st.recv_max == max((pl.recv_numel for pl in plans if not pl.local), default=0)
+        sent = sum(2 * (pl.send_numel - pl.send_splits[r] + pl.recv_numel - pl.recv_splits[r])
+                   for pl in plans if not pl.local)
+        assert st.a2a_sent == st.a2a_received == sent
+        owned = [m for pl in plans for m in pl.owned]
+        assert st.ns_max_numel == max((m.rows * m.cols for m in owned), default=0)
+        assert st.ns_max_min_dim == max((min(m.rows, m.cols) for m in owned), default=0)
+        assert st.local_numel == sum(i.local_numel(r if world > 1 else 0) for i in infos)

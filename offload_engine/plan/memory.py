@@ -17,6 +17,7 @@ their bucket boundaries are exactly those ZeroMuon registers, per rank. Around t
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 
@@ -82,14 +83,37 @@ def classify(model: ModelShapes) -> list[str]:
 
 def shard_rows(rows: int, world: int) -> list[int]:
     """Rows per rank under FSDP2 ``Shard(0)`` (torch.chunk sizes, the last ranks short or 0)."""
+    return [rows_of_rank(rows, world, r) for r in range(world)]
+
+
+def rows_of_rank(rows: int, world: int, rank: int) -> int:
     per = -(-rows // world) if rows else 0
-    return [max(0, min(per, rows - r * per)) for r in range(world)]
+    return max(0, min(per, rows - rank * per))
 
 
-def param_infos(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None = None) -> list[ParamInfo]:
-    """ParamInfos in ZeroMuon's order (its groups: Muon parameters, then AdamW ones)."""
+def rank_groups(row_counts, world: int) -> list[int]:
+    """The first rank of each run of ranks that hold the same rows of every parameter
+    (at most two boundaries per parameter: where full blocks end and after a short one)."""
+    starts = {0}
+    for rows in row_counts:
+        if rows and world > 1:
+            per = -(-rows // world)
+            full, rem = divmod(rows, per)
+            starts.update(b for b in (full, full + 1 if rem else 0) if 0 < b < world)
+    return sorted(starts)
+
+
+def param_infos(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None = None,
+                ranks: list[int] | None = None) -> list[ParamInfo]:
+    """ParamInfos in ZeroMuon's order (its groups: Muon parameters, then AdamW ones).
+
+    ``rows_per_rank[j]`` holds the rows of rank ``ranks[j]`` (default: every rank). Giving one
+    rank per group of identical ranks lays out the same chunks: ``build_layout`` only takes
+    maxima over ranks.
+    """
     kinds = kinds or classify(model)
     world = opts.world_size
+    ranks = list(range(world)) if ranks is None else ranks
     group = {"amsgrad": opts.amsgrad, "ns_steps": opts.ns_steps, "nesterov": True}
     infos = []
     for kind in ("muon", "adamw"):
@@ -102,7 +126,8 @@ def param_infos(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
             for d in t.shape[1:]:
                 row_numel *= d
             info.row_numel = row_numel
-            info.rows_per_rank = shard_rows(info.rows, world) if world > 1 else [info.rows]
+            info.rows_per_rank = ([rows_of_rank(info.rows, world, r) for r in ranks]
+                                  if world > 1 else [info.rows])
             infos.append(info)
     return infos
 
@@ -207,68 +232,82 @@ def rank_layout(infos: list[ParamInfo], rank: int, opts: PlanOptions):
                         amsgrad_of=lambda i: i.kind == "adamw" and opts.amsgrad)
 
 
-def rank_states(model: ModelShapes, opts: PlanOptions, ranks=None,
-                kinds: list[str] | None = None) -> list[RankState]:
-    """One RankState per rank in ``ranks`` (default: all). Ranks holding the same rows share
-    one layout computation; owners (and so buffers and traffic) are computed per rank."""
+def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None = None) -> list[RankState]:
+    """One RankState per rank. Ranks holding the same rows share one layout (computed with
+    ZeroMuon's ``build_layout``); owners, and so the buffers and all_to_all bytes that
+    depend on them, are per rank."""
     world = opts.world_size
-    infos = param_infos(model, opts, kinds)
-    ranks = range(world) if ranks is None else ranks
-    layouts: dict[tuple, object] = {}
-    probe = rank_layout(infos, 0, opts)
+    kinds = kinds or classify(model)
+    starts = rank_groups((t.shape[0] if t.shape else 1 for t in model.tensors), world)
+    infos = param_infos(model, opts, kinds, ranks=starts)    # index j <-> rank starts[j]
+    groups = []
+    for j, start in enumerate(starts):
+        gi = j if world > 1 else 0
+        layout = rank_layout(infos, gi, opts)
+        arrays = {n: ArrayPlan(n, dt, k, opts.bucket_bytes) for n, (dt, k) in layout.arrays.items()}
+        g = {"layout": layout, "arrays": arrays,
+             "n": [sum(i.local_numel(gi) for i in infos if kind in (None, i.kind))
+                   for kind in (None, "muon", "adamw")],
+             "max_segment": max((s.hi - s.lo for c in layout.chunks for row in c.rows
+                                 for s in row.segments), default=0),
+             "send_max": 0, "dist_local": 0}
+        for c in layout.chunks:
+            if c.kind != "muon":
+                continue
+            ps = [infos[p] for p in c.params]
+            if c.distributed and world > 1:
+                local = sum(i.local_numel(gi) for i in ps)
+                g["dist_local"] += local
+            else:
+                local = sum(i.numel for i in ps)
+            g["send_max"] = max(g["send_max"], local)
+        groups.append(g)
+
     # owners: chosen once from shapes, the same on every rank (ZeroMuon's call)
+    probe = groups[0]["layout"]
     dist_chunks = [c for c in probe.chunks if c.kind == "muon" and c.distributed and world > 1]
     owners = assign_owners([[infos[p].shape for p in c.params] for c in dist_chunks], world,
                            opts.ns_steps)
-    owner_of = {c.index: o for c, o in zip(dist_chunks, owners)}
+    own_local = [0] * world      # elements of its own matrices a rank holds itself
+    own_numel = [0] * world      # elements of the matrices it orthogonalizes
+    recv_max = [0] * world
+    ns_numel = [0] * world
+    ns_dim = [0] * world
+    owned_count = [0] * world
+    for c, os_ in zip(dist_chunks, owners):
+        per_chunk: dict[int, int] = {}
+        for p, o in zip(c.params, os_):
+            i = infos[p]
+            own_local[o] += rows_of_rank(i.rows, world, o) * i.row_numel
+            own_numel[o] += i.numel
+            owned_count[o] += 1
+            per_chunk[o] = per_chunk.get(o, 0) + i.numel
+            ns_numel[o] = max(ns_numel[o], i.numel)
+            ns_dim[o] = max(ns_dim[o], min(i.rows, i.row_numel))
+        for o, n in per_chunk.items():
+            recv_max[o] = max(recv_max[o], n)
+    local_muon = [(i.rows, i.row_numel) for c in probe.chunks if c.kind == "muon"
+                  and not (c.distributed and world > 1) for i in (infos[p] for p in c.params)]
+
     out = []
-    for r in ranks:
-        sig = tuple(i.rows_per_rank[r] if i.distributed else -1 for i in infos)
-        if sig not in layouts:
-            layout = probe if r == 0 else rank_layout(infos, r, opts)
-            lr = r if world > 1 else 0
-            counts = (sum(i.local_numel(lr) for i in infos),
-                      sum(i.local_numel(lr) for i in infos if i.kind == "muon"),
-                      sum(i.local_numel(lr) for i in infos if i.kind == "adamw"))
-            layouts[sig] = (layout, counts)
-        layout, (n_all, n_muon, n_adamw) = layouts[sig]
-        arrays = {n: ArrayPlan(n, dt, k, opts.bucket_bytes) for n, (dt, k) in layout.arrays.items()}
-        st = RankState(r, layout, arrays, local_numel=n_all, local_muon=n_muon, local_adamw=n_adamw)
-        _buffers(st, layout, infos, owner_of, r, world)
+    for r in range(world):
+        g = groups[bisect.bisect_right(starts, r) - 1]
+        st = RankState(r, g["layout"], g["arrays"], local_numel=g["n"][0], local_muon=g["n"][1],
+                       local_adamw=g["n"][2], send_max=g["send_max"], max_segment=g["max_segment"])
+        if dist_chunks:
+            st.recv_max = recv_max[r]
+            # U to the owners and O back, bf16, a rank's own block excluded
+            moved = (g["dist_local"] - own_local[r]) + (own_numel[r] - own_local[r])
+            st.a2a_sent = st.a2a_received = BF16 * moved
+            st.a2a_calls = 2 * len(dist_chunks)
+            st.ns_max_numel, st.ns_max_min_dim = ns_numel[r], ns_dim[r]
+            st.ns_owned = owned_count[r]
+        if local_muon:
+            st.ns_max_numel = max([st.ns_max_numel] + [a * b for a, b in local_muon])
+            st.ns_max_min_dim = max([st.ns_max_min_dim] + [min(a, b) for a, b in local_muon])
+            st.ns_owned += len(local_muon)
         out.append(st)
     return out
-
-
-def _buffers(st: RankState, layout, infos, owner_of, rank: int, world: int) -> None:
-    """Exchange buffers, Newton-Schulz workspace, scratch and all_to_all bytes of one rank,
-    as ZeroMuon sizes them (plan_chunk's splits, without building the index maps)."""
-    owned_shapes = []
-    for c in layout.chunks:
-        st.max_segment = max([st.max_segment] + [s.hi - s.lo for row in c.rows for s in row.segments])
-        if c.kind != "muon":
-            continue
-        ps = [infos[p] for p in c.params]
-        if not c.distributed or world == 1:
-            send = sum(i.numel for i in ps)
-            st.send_max = max(st.send_max, send)
-            owned_shapes += [(i.rows, i.row_numel) for i in ps]
-            continue
-        own = owner_of[c.index]
-        send = sum(i.local_numel(rank) for i in ps)
-        send_self = sum(i.local_numel(rank) for i, o in zip(ps, own) if o == rank)
-        mine = [i for i, o in zip(ps, own) if o == rank]
-        recv = sum(i.numel for i in mine)
-        recv_self = sum(i.local_numel(rank) for i in mine)
-        owned_shapes += [(i.rows, i.row_numel) for i in mine]
-        st.send_max = max(st.send_max, send)
-        st.recv_max = max(st.recv_max, recv)
-        # forward sends U to owners, backward returns O: each direction twice, bf16
-        st.a2a_sent += BF16 * ((send - send_self) + (recv - recv_self))
-        st.a2a_received += BF16 * ((recv - recv_self) + (send - send_self))
-        st.a2a_calls += 2
-    st.ns_owned = len(owned_shapes)
-    st.ns_max_numel = max((r * c for r, c in owned_shapes), default=0)
-    st.ns_max_min_dim = max((min(r, c) for r, c in owned_shapes), default=0)
 
 
 # ----------------------------------------------------------------------------------------------
