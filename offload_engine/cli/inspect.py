@@ -140,7 +140,7 @@ def print_summary(s: dict, out) -> None:
     print("dtypes      " + ", ".join(f"{d} {n}" for d, n in s["dtypes"].items()), file=out)
     print("bytes       " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_by_state"].items()),
           file=out)
-    if s["bytes_by_rank"]:
+    if set(s["bytes_by_rank"]) - {"unsharded"}:
         print("by rank     " + ", ".join(f"{k}: {format_bytes(v)}" for k, v in s["bytes_by_rank"].items()),
               file=out)
     files = s["files"]

@@ -112,7 +112,9 @@ class SafetensorsSource(InspectSource):
         self._aliases = {k: v for k, v in metadata.items()
                          if v in self._entries and k not in self._entries}
         self._io = AsyncFileIO(threads=4, queue_depth=4, direct=False)
-        self.info = SourceInfo(kind="safetensors", path=index or path, format="safetensors",
+        fmt = (f"sharded: {len(files)} files + index" if index is not None
+               else f"{len(files)} file" + ("s" if len(files) > 1 else ""))
+        self.info = SourceInfo(kind="safetensors", path=index or path, format=fmt,
                                files=[(f, os.path.getsize(f)) for f in files])
         if index is not None:
             self.info.files.insert(0, (index, os.path.getsize(index)))
