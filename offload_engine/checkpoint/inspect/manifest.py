@@ -170,6 +170,7 @@ def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where:
         raise InspectError(f"{where}: 'tensors' must be an object {{name: entry}}")
     itemsizes = {n: torch.empty((), dtype=a.dtype).element_size() for n, a in arrays.items()}
     numels = {n: a.numel for n, a in arrays.items()}
+    dtypes = {n: a.dtype for n, a in arrays.items()}
     tensors, placements = [], {}
     for name, entry in doc.items():
         if type(entry) is not dict:
@@ -185,7 +186,7 @@ def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where:
         shards = entry.get("shards")
         if type(shards) is not list or not shards:
             raise InspectError(f"{where}: tensor {name!r} has no 'shards' list")
-        by_state: dict[str, list[Placement]] = {}
+        by_state: dict[str, tuple] = {}  # state -> (placements, bytes per rank, arrays)
         covered = []
         for shard in shards:
             if type(shard) is not dict:
@@ -223,26 +224,25 @@ def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where:
                 if (limit is None or type(offset) is not int or offset < 0
                         or offset + numel > limit):
                     raise InspectError(_bad_ref(where, name, rank, state, ref, numel, numels))
-                pls = by_state.get(state)
-                if pls is None:
-                    pls = by_state[state] = []
-                pls.append(Placement(dest, numel, array, offset, rank))
+                acc = by_state.get(state)
+                if acc is None:
+                    acc = by_state[state] = ([], {}, set())
+                acc[0].append(Placement(dest, numel, array, offset, rank))
+                acc[1][rank] = acc[1].get(rank, 0) + numel * itemsizes[array]
+                acc[2].add(array)
         _check_rows(covered, rows, f"tensor {name!r}", where)
         states_meta = {}
-        for state, pls in by_state.items():
+        for state, (pls, per_rank, used) in by_state.items():
             if len(pls) != len(shards):
                 missing = sorted({r for _, _, r in covered} - {p.rank for p in pls})
                 raise InspectError(f"{where}: tensor {name!r}: state {state!r} is missing from "
                                    f"the shard of rank(s) {missing}")
+            sdtypes = {dtypes[a] for a in used}
+            if len(sdtypes) > 1:
+                raise InspectError(f"{where}: tensor {name!r}: state {state!r} is held in "
+                                   f"arrays of different dtypes")
             pls.sort()
-            sdtype = arrays[pls[0].array].dtype
-            per_rank: dict = {}
-            for p in pls:
-                if arrays[p.array].dtype != sdtype:
-                    raise InspectError(f"{where}: tensor {name!r}: state {state!r} is held in "
-                                       f"arrays of different dtypes")
-                per_rank[p.rank] = per_rank.get(p.rank, 0) + p.numel * itemsizes[p.array]
-            states_meta[state] = StateMeta(sdtype, rows * row_numel, per_rank)
+            states_meta[state] = StateMeta(sdtypes.pop(), rows * row_numel, per_rank)
             placements[(name, state)] = pls
         optimizer = entry.get("optimizer")
         if optimizer is not None and type(optimizer) is not str:
