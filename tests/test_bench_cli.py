@@ -1,4 +1,4 @@
-"""`offload-engine bench io`, `offload-engine demo` and tools/bench_io.py at tiny sizes.
+"""`offload-engine bench io` and tools/bench_io.py at tiny sizes (the demo: test_demo.py).
 
 Never asserts on times or speeds beyond "positive": the disk here is shared and noisy.
 """
@@ -143,22 +143,6 @@ def test_keep_leaves_the_engine_array_readable_by_zarr(disk_dir, capsys):
     (kept,) = os.listdir(disk_dir)
     arr = zarr.open_array(str(disk_dir / kept / "engine.zarr"), mode="r")
     assert arr.shape == ((1 << 20) // 4,) and str(arr.dtype) == "float32"
-
-
-def test_demo_runs_small_in_the_current_directory(disk_dir, capsys, monkeypatch):
-    monkeypatch.chdir(disk_dir)
-    rc = main(["demo", "--size", "4MiB"])
-    out, err = capsys.readouterr()
-    assert rc == 0, err
-    assert "not built yet" in out and "I/O benchmark" in out
-    assert "engine" in out and "zarr_python" in out and "tensorstore" in out
-    assert os.listdir(disk_dir) == []
-
-
-def test_demo_bad_path_exits_2(disk_dir, capsys):
-    rc = main(["demo", "--size", "4MiB", "--path", str(disk_dir / "missing")])
-    _out, err = capsys.readouterr()
-    assert rc == 2 and len(err.strip().splitlines()) == 1
 
 
 def test_tools_script_prints_json(disk_dir):

@@ -1,9 +1,21 @@
 """checkpoint/: save and load ZeroMuon runs (reshardable, checksummed, atomically committed),
-read DeepSpeed checkpoints, and consolidate either into Hugging Face safetensors."""
+read DeepSpeed checkpoints, and consolidate either into Hugging Face safetensors.
+
+``save_checkpoint`` and ``load_checkpoint`` are imported on first use: they pull in
+torch.distributed, which offline tools (inspect, consolidate, plan) never need.
+"""
 
 from .checksums import ChecksumError
 from .generations import CheckpointError, resolve
-from .load import load_checkpoint
-from .save import save_checkpoint
 
 __all__ = ["CheckpointError", "ChecksumError", "load_checkpoint", "resolve", "save_checkpoint"]
+
+
+def __getattr__(name: str):
+    if name == "save_checkpoint":
+        from .save import save_checkpoint
+        return save_checkpoint
+    if name == "load_checkpoint":
+        from .load import load_checkpoint
+        return load_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

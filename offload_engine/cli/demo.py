@@ -14,9 +14,9 @@ import shutil
 import tempfile
 import time
 
-from ..demo.model import PRESETS, build_model, count_parameters
-from ..optim import default_use_muon
 from ..units import format_bytes
+
+PRESET_NAMES = ("medium", "small", "tiny")  # offload_engine.demo.model.PRESETS
 
 
 def add_parser(subparsers):
@@ -26,7 +26,7 @@ def add_parser(subparsers):
         description=__doc__.splitlines()[0] + " Runs on CPU (gloo) or CUDA (nccl).")
     p.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--model", choices=sorted(PRESETS), default="small",
+    p.add_argument("--model", choices=PRESET_NAMES, default="small",
                    help="model size (default small: about 11 M parameters)")
     p.add_argument("--store", default=None, metavar="DIR",
                    help="directory for optimizer state and checkpoints (default: a temporary "
@@ -39,6 +39,7 @@ def add_parser(subparsers):
 
 
 def _split(model) -> tuple[int, int, int, int]:
+    from ..optim.param_rules import default_use_muon
     muon = adamw = n_muon = n_adamw = 0
     for name, p in model.named_parameters():
         if default_use_muon(name, p):
@@ -73,6 +74,7 @@ def _du(path: str) -> int:
 
 
 def run(args) -> int:
+    from ..demo.model import build_model, count_parameters
     from ..demo.train import TrainConfig, launch
     from .main import main as cli_main
 
