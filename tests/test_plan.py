@@ -13,8 +13,7 @@ import torch
 from offload_engine.cli.main import main
 from offload_engine.optim.param_rules import default_use_muon
 from offload_engine.plan.memory import PlanOptions, classify, rank_states, shard_rows
-from offload_engine.plan.model_shapes import ModelInputError, from_hf_config, load_model
-from offload_engine.plan.planner import Machine, build_plan
+from offload_engine.plan.model_shapes import from_hf_config, load_model
 from offload_engine.store import StoreConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -15,7 +15,7 @@ import torch
 from ..io.align import round_up
 from ..store import StoreConfig
 from . import deepspeed_compat
-from .memory import (ArrayPlan, PlanOptions, RankState, classify, compute_bytes, itemsize,
+from .memory import (PlanOptions, RankState, classify, compute_bytes, itemsize,
                      rank_states, store_metadata_bytes)
 from .model_shapes import ModelShapes
 from .placement import (HOST_PER_RANK, OS_FRACTION, Placement, TierVerdict, binding,

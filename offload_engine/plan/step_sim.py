@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from ..io.align import ALIGN, round_up
 from ..io.extents import Extents
-from ..optim.pipeline import SLOTS
 from ..optim.state_layout import MASTER, MOMENTUM
 
 
