@@ -207,3 +207,21 @@ def test_unknown_tensor_and_state(ckpt, tmp_path, capsys):
     assert_one_line_error(rc, err, "has no state 'master'")
     rc, out, err = run_cli(["export", ckpt, "scalar", "--out", tmp_path / "x.txt"], capsys)
     assert_one_line_error(rc, err, "unknown output format")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda sh: sh["states"]["exp_avg"].update(array="rank9/x"), "'rank9/x' is not in 'arrays'"),
+    (lambda sh: sh["states"]["exp_avg"].update(offset=-1), "offset must be an integer >= 0"),
+    (lambda sh: sh["states"]["exp_avg"].update(offset=10**9), "run past the"),
+    (lambda sh: sh.pop("row_start"), "a shard has no 'row_start'"),
+    (lambda sh: sh.update(numel=7), "is not rows"),
+    (lambda sh: sh.update(rank=9), "world_size is 4"),
+])
+def test_malformed_manifest_entries(ckpt, capsys, damage, needle):
+    from offload_engine.layout import read_group, write_group_attributes
+    g = gen_dir(ckpt)
+    attrs = read_group(g)
+    damage(attrs["tensors"]["emb.weight"]["shards"][1])
+    write_group_attributes(g, attrs)
+    rc, out, err = run_cli(["inspect", ckpt], capsys)
+    assert_one_line_error(rc, err, "emb.weight", needle)

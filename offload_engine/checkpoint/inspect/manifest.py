@@ -157,6 +157,7 @@ def _bare_arrays(arrays: dict[str, ArrayEntry]):
 
 
 _EMPTY: dict = {}
+_new_placement = tuple.__new__  # Placement without the namedtuple constructor's frame
 
 
 def _nat(value) -> bool:
@@ -191,8 +192,11 @@ def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where:
         for shard in shards:
             if type(shard) is not dict:
                 raise InspectError(f"{where}: tensor {name!r}: every shard must be an object")
-            get = shard.get
-            rank, row_start, nrows, numel = get("rank"), get("row_start"), get("rows"), get("numel")
+            try:
+                rank, row_start = shard["rank"], shard["row_start"]
+                nrows, numel = shard["rows"], shard["numel"]
+            except KeyError as e:
+                raise InspectError(f"{where}: tensor {name!r}: a shard has no {e.args[0]!r}") from None
             if not (type(rank) is int and type(row_start) is int and type(nrows) is int
                     and type(numel) is int and rank >= 0 and row_start >= 0 and nrows >= 0
                     and numel >= 0):
@@ -206,29 +210,31 @@ def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where:
                 raise InspectError(f"{where}: tensor {name!r}, rank {rank}: numel {numel} is not "
                                    f"rows {nrows} x {row_numel} elements per row")
             covered.append((row_start, nrows, rank))
-            states = get("states", _EMPTY)
+            states = shard.get("states", _EMPTY)
             if type(states) is not dict:
                 raise InspectError(f"{where}: tensor {name!r}, rank {rank}: 'states' must be an "
                                    f"object")
-            param = get("param")
+            param = shard.get("param")
             if param is not None:  # the checkpoint writer keeps the parameter beside its states
                 states = {"param": param, **states}
             if not states:
                 raise InspectError(f"{where}: tensor {name!r}, rank {rank}: shard has no states")
             dest = row_start * row_numel
             for state, ref in states.items():
-                if type(ref) is not dict:
-                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel, numels))
-                array, offset = ref.get("array"), ref.get("offset")
-                limit = numels.get(array)
-                if (limit is None or type(offset) is not int or offset < 0
-                        or offset + numel > limit):
+                try:
+                    array, offset = ref["array"], ref["offset"]
+                    limit = numels[array]
+                except (KeyError, TypeError):
+                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel,
+                                                numels)) from None
+                if type(offset) is not int or offset < 0 or offset + numel > limit:
                     raise InspectError(_bad_ref(where, name, rank, state, ref, numel, numels))
                 acc = by_state.get(state)
                 if acc is None:
                     acc = by_state[state] = ([], {}, set())
-                acc[0].append(Placement(dest, numel, array, offset, rank))
-                acc[1][rank] = acc[1].get(rank, 0) + numel * itemsizes[array]
+                acc[0].append(_new_placement(Placement, (dest, numel, array, offset, rank)))
+                per_rank = acc[1]
+                per_rank[rank] = per_rank.get(rank, 0) + numel * itemsizes[array]
                 acc[2].add(array)
         _check_rows(covered, rows, f"tensor {name!r}", where)
         states_meta = {}
