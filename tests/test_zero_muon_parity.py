@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 
 import pytest
 import torch
 from torch import nn
 
 from offload_engine.optim import ZeroMuon, default_use_muon, split_state_dict
-from zero_muon_harness import (MIXED_SHAPES, assert_parity, local_rows, make_pair,
-                               reference_optimizers, set_grads, spawn)
+from zero_muon_harness import (MIXED_SHAPES, assert_parity, make_pair, reference_optimizers,
+                               set_grads, spawn)
 
 KiB = 4096
 
@@ -125,7 +124,6 @@ def run_training(rank, world, mesh, tmp):
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor()
             for (n, p), q in zip(model.named_parameters(), ref.parameters()):
                 q.grad = p.grad.full_tensor()   # already clipped: the reference sees the same
-            before = opt.store.stats().bytes_read["nvme"] + opt.store.stats().bytes_written["nvme"]
             opt.step()
             for o in ref_opts:
                 o.step()
