@@ -250,3 +250,18 @@ def test_kill_9_never_leaves_a_checkpoint_that_loads_but_is_wrong(tmp_path):
         loaded_steps.append(step)
     print("loaded steps", loaded_steps, "torn seen", sum(1 for t in range(20) for _ in (tmp_path / f"ck{t}").glob("*.partial")))
     assert loaded_steps, "no trial got as far as a commit: the kill window is too early"
+
+
+def test_live_store_manifest_lets_offline_tools_read_each_parameter(tmp_path):
+    """ZeroMuon records its layout in the store's manifest: export reads a state by name."""
+    import numpy as np
+
+    model, opt = small_run(str(tmp_path), name="live")
+    want = opt.state_dict()["state"]
+    index = {i.name: i.index for i in opt.infos}
+    opt.close()
+    store_dir = str(tmp_path / "live" / "rank0")
+    for name, key in (("w_odd", "momentum_buffer"), ("embed_tokens", "exp_avg_sq")):
+        out = str(tmp_path / f"{name}.npy")
+        assert cli_main(["export", store_dir, name, "--state", key, "--out", out]) == 0
+        assert np.array_equal(np.load(out), want[index[name]][key].numpy())

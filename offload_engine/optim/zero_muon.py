@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..store import StoreConfig, TieredStore
 from .comm import Exchange, plan_chunk
+from .manifest import store_manifest
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
 from .muon_math import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, NewtonSchulz
 from .owners import assign_owners
@@ -190,6 +191,8 @@ class ZeroMuon(torch.optim.Optimizer):
             for name, (dtype, numel) in self.layout.arrays.items():
                 self.store.register(self.array_name(name), dtype, numel)
             self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.forward_order()])
+            if self.store.root is not None:
+                self.store.update_manifest(store_manifest(self))
         except Exception:
             if self._own_store:
                 self.store.close()
@@ -311,6 +314,8 @@ class ZeroMuon(torch.optim.Optimizer):
     def close(self) -> None:
         """Flush and close the store this optimizer opened (a store passed in stays open)."""
         if getattr(self, "_own_store", False) and self.store is not None:
+            if self.store.root is not None:
+                self.store.update_manifest({"step": self._steps_done})
             self.store.close()
         self.store = None if getattr(self, "_own_store", False) else getattr(self, "store", None)
 
