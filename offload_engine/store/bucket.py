@@ -33,6 +33,7 @@ class Bucket:
     d2h_event: Any = None  # torch.cuda.Event guarding buf after a copy from the GPU
     pinned_home: bool = False  # cpu/gpu home: never evicted
     gpu_users: int = 0
+    saving: bool = False   # being copied for a snapshot: users wait before changing it
     extra: dict = field(default_factory=dict)
 
     @property

@@ -28,6 +28,7 @@ from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .config import StoreConfig
 from .lock import WriteLock
 from .schedule import INF, Schedule
+from .snapshot import Snapshot
 from .stats import StatsCounter, StoreStats
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class TieredStore:
         self._tick = 0
         self._stats = StatsCounter()
         self._auto_bytes = {"gpu": 0, "cpu": 0}
+        self._snapshot: Snapshot | None = None
         self._closed = False
 
     # -- arrays -----------------------------------------------------------------------------
@@ -293,11 +295,19 @@ class TieredStore:
             except BaseException:
                 b.refs -= 1
                 raise
+            while b.saving:  # the snapshot thread is copying it: wait, it may be modified
+                self._cv.wait()
+            copy_first = self._snapshot is not None and self._snapshot.take(b)
+            if copy_first:
+                b.saving = True
             self._tick += 1
             b.last_use = self._tick
             self._pump()
             if waited:
                 self._stats.current.io_wait_s += time.monotonic() - t0
+        if copy_first:
+            self._copy_for_snapshot(b, inline=True)
+        with self._lock:
             if dev.type == "cpu":
                 if b.d2h_event is not None:
                     b.d2h_event.synchronize()  # a CPU user after a GPU one: bytes must have landed
@@ -600,6 +610,75 @@ class TieredStore:
                     self._prefetch_queue.append(b)
             self._pump()
 
+    # -- snapshots -----------------------------------------------------------------------------
+    def snapshot(self, sink, arrays: list[str] | None = None) -> Snapshot:
+        """Copy ``arrays`` (default: all) as they are now, in the background.
+
+        ``sink(array, bucket_index, start_element, tensor)`` is called once per bucket, from
+        a background thread or from an ``acquire`` that needs the bucket first (so later
+        changes never reach the copy). Returns at once; ``Snapshot.wait()`` blocks until
+        done and raises the sink's first error. One snapshot at a time.
+        """
+        with self._lock:
+            self._check_open()
+            if self._snapshot is not None and not self._snapshot.finished.is_set():
+                raise RuntimeError("a snapshot of this store is still being taken")
+            held = sorted(b.key for b in self._resident if b.refs)
+            if held:
+                raise RuntimeError(f"snapshot while buckets are held ({held[:3]}...): take it "
+                                   "between steps, when every handle is released")
+            names = list(self._arrays) if arrays is None else arrays
+            order = [self._bucket(k) for k in self._schedule.order] if self._schedule else []
+            wanted = {b for n in names for b in self._array(n).buckets}
+            buckets = [b for b in order if b in wanted]
+            buckets += [b for n in names for b in self._array(n).buckets if b not in set(buckets)]
+            snap = Snapshot(buckets, sink)
+            self._snapshot = snap
+            snap.thread = threading.Thread(target=self._snapshot_worker, args=(snap,),
+                                           name="oe-snapshot", daemon=True)
+            snap.thread.start()
+            return snap
+
+    def _snapshot_worker(self, snap: Snapshot) -> None:
+        try:
+            while True:
+                with self._lock:
+                    b = snap.next_bucket()
+                    if b is None:
+                        break
+                    b.saving = True
+                    b.refs += 1
+                    try:
+                        self._make_resident(b, demand=True)
+                    except BaseException as e:
+                        b.refs -= 1
+                        b.saving = False
+                        snap.error = snap.error or e
+                        self._cv.notify_all()
+                        break
+                self._copy_for_snapshot(b, inline=False, held=True)
+        finally:
+            snap.finished.set()
+
+    def _copy_for_snapshot(self, b: Bucket, inline: bool, held: bool = False) -> None:
+        """Hand ``b``'s bytes to the snapshot's sink (``b`` is held and marked saving)."""
+        snap = self._snapshot
+        try:
+            if b.array.home == "gpu":
+                tensor = self.gpu.view(b.gpu_offset, b.nbytes, b.array.dtype)
+            else:
+                if b.d2h_event is not None:
+                    b.d2h_event.synchronize()
+                tensor = b.host_view(b.array.dtype)
+            snap.copy(b, tensor, inline)
+        finally:
+            with self._lock:
+                b.saving = False
+                if held:
+                    b.refs -= 1
+                    self._pump()
+                self._cv.notify_all()
+
     # -- flush / stats / close --------------------------------------------------------------------
     def flush(self, sync: bool = False) -> None:
         """Write every dirty NVMe bucket home and wait; with ``sync`` also fdatasync them.
@@ -645,6 +724,8 @@ class TieredStore:
         """Flush dirty buckets, stop I/O, free the pool and release the write lock."""
         if self._closed:
             return
+        if self._snapshot is not None:
+            self._snapshot.finished.wait()
         try:
             if self.root is not None:
                 self.flush()

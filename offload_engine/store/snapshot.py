@@ -1,0 +1,69 @@
+"""Point-in-time copies of store arrays, taken while training goes on (copy-on-acquire).
+
+``TieredStore.snapshot(sink)`` records which buckets must be copied and returns at once. A
+background thread hands each bucket's bytes to ``sink`` (reading it from NVMe if needed).
+If a user acquires a bucket that has not been copied yet, the acquire copies it first, so
+the copy always holds the bytes as they were when ``snapshot`` was called: the next
+optimizer step can run while a checkpoint is written, and no extra memory beyond the
+pinned pool is used.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+# sink(array_name, bucket_index, start_element, tensor): write the bucket's bytes somewhere
+Sink = Callable[[str, int, int, torch.Tensor], None]
+
+
+class Snapshot:
+    """One snapshot in progress. ``wait()`` blocks until every bucket went to the sink."""
+
+    def __init__(self, buckets: list, sink: Sink):
+        self.sink = sink
+        self.pending = list(buckets)       # in schedule order; guarded by the store lock
+        self.pending_set = set(buckets)
+        self.total = len(buckets)
+        self.copied = 0
+        self.copied_inline = 0             # copied by a user's acquire (copy-on-acquire)
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def take(self, bucket) -> bool:
+        """Claim ``bucket`` for copying (caller holds the store lock)."""
+        if bucket not in self.pending_set or self.error is not None:
+            return False
+        self.pending_set.discard(bucket)
+        return True
+
+    def next_bucket(self, resident_first: bool = True):
+        """The next unclaimed bucket, preferring ones already in memory (no read)."""
+        self.pending = [b for b in self.pending if b in self.pending_set]
+        if not self.pending or self.error is not None:
+            return None
+        chosen = next((b for b in self.pending if b.buf is not None), None) if resident_first else None
+        chosen = chosen or self.pending[0]
+        self.pending_set.discard(chosen)
+        return chosen
+
+    def copy(self, bucket, tensor: torch.Tensor, inline: bool) -> None:
+        try:
+            self.sink(bucket.array.name, bucket.index, bucket.start, tensor)
+        except BaseException as e:  # recorded; wait() raises it
+            if self.error is None:
+                self.error = e
+        else:
+            self.copied += 1
+            self.copied_inline += int(inline)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raise the sink's first error (for example a full disk)."""
+        if not self.finished.wait(timeout):
+            raise TimeoutError(f"snapshot not finished after {timeout} s "
+                               f"({self.copied} of {self.total} buckets copied)")
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,55 @@
+"""Snapshots taken while the store keeps serving: the copy is the state at snapshot time."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from test_store import B, make_store, run_steps
+
+
+def test_snapshot_copies_the_state_of_its_moment_while_a_step_runs(tmp_path):
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 12 * B // 4)
+        s.register("c", torch.int64, B // 8, home="cpu")
+        run_steps(s, "m", 2)                      # every element of m is 2 now
+        copies, lock = {}, threading.Lock()
+
+        def slow_sink(array, index, start, tensor):
+            time.sleep(0.02)                       # let the next step race ahead
+            with lock:
+                copies[(array, index)] = tensor.clone()
+
+        snap = s.snapshot(slow_sink)
+        run_steps(s, "m", 1)                      # changes every bucket to 3
+        snap.wait(30)
+        assert snap.copied == 12 + 1 and snap.copied_inline > 0
+        for i in range(12):
+            assert bool((copies[("m", i)] == 2).all()), f"bucket {i} copied after a change"
+        h = s.acquire("m", 0)
+        assert float(h.tensor[0]) == 3.0           # the store itself moved on
+        s.release(h)
+
+
+def test_sink_errors_surface_in_wait(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 3 * B // 4)
+
+        def full_disk(array, index, start, tensor):
+            raise OSError(28, "No space left on device", "/ckpt/m/c/0")
+
+        snap = s.snapshot(full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            snap.wait(30)
+        s.release(s.acquire("m", 0))               # the store still works
+
+
+def test_snapshot_refuses_while_handles_are_held(tmp_path):
+    with make_store(tmp_path) as s:
+        s.register("m", torch.float32, 3 * B // 4)
+        h = s.acquire("m", 1)
+        with pytest.raises(RuntimeError, match="every handle is released"):
+            s.snapshot(lambda *a: None)
+        s.release(h)
+        s.snapshot(lambda *a: None).wait(30)
