@@ -6,7 +6,11 @@ per file and merged into one ``preadv`` whose iovecs scatter the bytes straight 
 destinations; a small hole between two ranges (ZeRO-3 tail padding, the zip header between
 two storage records) is read into a scratch sink instead of costing another call, but
 only when the hole holds no record outside ``allowed``: bytes of storages the caller did
-not ask for (Adam moments) are never read. Files are read in parallel, one task per run.
+not ask for (Adam moments) are never read. Runs are cut into pieces of at most
+``max_piece`` bytes, read in parallel: a cold file is read far faster with several
+requests in flight (each gets its own readahead) than by one long ``preadv`` per file
+(cold ZeRO-3 files, 2 ranks, 1 GB: 1.4-1.8 GB/s with 8 threads x 8 MiB pieces against
+0.65-0.9 GB/s with one call per file in flight).
 """
 
 from __future__ import annotations
@@ -41,16 +45,19 @@ class ScatterReader:
         forbidden: per file, sorted non-overlapping ``(start, end)`` byte spans that must
             never be read (records of storages nobody asked for).
         max_gap: largest hole (bytes) bridged through the sink inside one ``preadv``.
-        threads: parallel runs in flight.
+        threads: parallel pieces in flight.
+        max_piece: largest piece (bytes) one ``preadv`` call sequence reads.
         max_open: idle file descriptors kept open.
     """
 
     def __init__(self, paths: list[str], forbidden: list[list[tuple[int, int]]],
-                 max_gap: int = 64 * 1024, threads: int = 8, max_open: int = 128):
+                 max_gap: int = 64 * 1024, threads: int = 8, max_open: int = 128,
+                 max_piece: int = 8 << 20):
         self.paths = list(paths)
         self._forbidden_starts = [[s for s, _ in spans] for spans in forbidden]
         self._forbidden = forbidden
         self.max_gap = max_gap
+        self.max_piece = max(1, max_piece)
         self._sink = bytearray(max_gap)  # contents never used; concurrent writes are harmless
         self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._users: dict[int, int] = {}
@@ -76,6 +83,28 @@ class ScatterReader:
             f.result()
 
     def _plan(self, wants: list[Want]) -> list[tuple[int, int, list[memoryview]]]:
+        """Merge ranges into runs, cut into pieces ``(file, offset, iovecs)`` of at most
+        ``max_piece`` bytes."""
+        return [piece for run in self._runs(wants) for piece in self._split(*run)]
+
+    def _split(self, file: int, offset: int, iov: list[memoryview]) -> list[tuple[int, int, list[memoryview]]]:
+        pieces: list[tuple[int, int, list[memoryview]]] = []
+        cur: list[memoryview] = []
+        start, size = offset, 0
+        for v in iov:
+            while len(v):
+                take = min(len(v), self.max_piece - size)
+                cur.append(v[:take])
+                v = v[take:]
+                size += take
+                if size == self.max_piece:
+                    pieces.append((file, start, cur))
+                    start, cur, size = start + size, [], 0
+        if cur:
+            pieces.append((file, start, cur))
+        return pieces
+
+    def _runs(self, wants: list[Want]) -> list[tuple[int, int, list[memoryview]]]:
         """Merge ranges into runs ``(file, offset, iovecs)``."""
         runs: list[tuple[int, int, list[memoryview]]] = []
         ordered = sorted((w for w in wants if len(w.dest)), key=lambda w: (w.file, w.offset))

@@ -70,7 +70,7 @@ class DeepSpeedSource:
         root: the checkpoint folder (holding ``latest`` and the tag folders).
         tag: the tag folder to read; default: the content of ``latest``.
         exclude_frozen: leave out parameters without gradient.
-        threads: files read in parallel.
+        threads: reads in flight at once (pieces of up to 8 MiB, from any of the files).
     """
 
     def __init__(self, root: str, tag: str | None = None, exclude_frozen: bool = False, threads: int = 8):
@@ -117,8 +117,9 @@ class DeepSpeedSource:
         names = {i.name for i in self._infos}
         shared = model0.get("shared_params") or {}
         self._aliases = {a: o for a, o in shared.items() if o in names and a not in names}
+        # not capped at the file count: the reader cuts long runs into pieces read in parallel
         self._reader = ScatterReader([pt.path for pt in self._files], self._forbidden_spans(),
-                                     threads=min(threads, len(self._files)))
+                                     threads=threads)
 
     # -- building the tensor list ----------------------------------------------------------
     def _add(self, name: str, shape, kind: str, pieces: list[Piece], refs: dict, home: PtFile) -> None:
