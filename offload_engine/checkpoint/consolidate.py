@@ -5,12 +5,16 @@ aliases, and ranged reads of a tensor's elements. DeepSpeed ZeRO checkpoints are
 source (``checkpoint.deepspeed``); our own checkpoint format plugs in the same way.
 
 Data flow: the whole output (headers, offsets, file sizes) is planned from metadata first
-(``safetensors_writer``). The data regions are then cut into windows of at most
-``window_bytes``; a window never spans two files, and a large tensor spans several windows.
-A reader thread fills window k+1 (source reads, then the dtype cast) while the main thread
-writes window k at its offset into the preallocated file. Buffers come from one
-``BufferPool`` of ``depth + 4`` windows (queued, being filled, being written, staging), so peak memory is
-independent of the model's size and of the tensor sizes. Files are written into a
+(``safetensors_writer``). Each file is then cut into windows of ``window_bytes``, starting
+at byte 0 (the first window carries the header); a window never spans two files, and a
+large tensor spans several windows. A reader thread fills window k+1 (source reads, then
+the dtype cast) while the main thread writes window k at its offset into the preallocated
+file. Windows start at multiples of ``window_bytes`` (a multiple of 4096), so a window is
+written with O_DIRECT where the file system allows it, straight from the pool buffer: no
+copy into the page cache, no gigabytes of dirty pages left for the final fsync. Buffers
+come from one ``BufferPool`` of ``depth + 4`` windows (``depth`` queued, one being filled,
+two being written, one staging for casts), so peak memory is independent of the model's
+size and of the tensor sizes. Files are written into a
 temporary folder inside the output folder and renamed into place when all are complete
 and synced, so a failed run never leaves a half-written model behind.
 """
@@ -28,7 +32,7 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from offload_engine.io import AsyncFileIO, BufferPool, PooledBuffer, round_up
+from offload_engine.io import ALIGN, AsyncFileIO, BufferPool, PooledBuffer, round_up
 
 from .safetensors_writer import (DTYPE_CODES, INDEX_FILE, OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor,
                                  ShardPlan, element_size, index_text, plan_files)
@@ -108,13 +112,15 @@ class Chunk:
 
 @dataclass
 class Window:
-    """Bytes ``[file_offset, file_offset + nbytes)`` of file ``path``, built from ``chunks``."""
+    """Bytes ``[file_offset, file_offset + nbytes)`` of file ``path``, built from ``chunks``
+    (and, for a file's first window, ``header`` at its start)."""
 
     path: str
     file_offset: int
     nbytes: int = 0
     stage_bytes: int = 0
     chunks: list[Chunk] = field(default_factory=list)
+    header: bytes = b""  # bytes of the file's header at the start of the window
 
 
 def _stage_size(chunk_bytes: int) -> int:
@@ -123,10 +129,20 @@ def _stage_size(chunk_bytes: int) -> int:
 
 def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mapping[str, TensorInfo],
                  window_bytes: int) -> Iterator[Window]:
-    """Cut every file's data region into windows of at most ``window_bytes`` output bytes
-    and at most ``window_bytes`` staging bytes (source dtype, for chunks that are cast)."""
+    """Cut every file into windows of at most ``window_bytes`` output bytes and at most
+    ``window_bytes`` staging bytes (source dtype, for chunks that are cast). The first
+    window of a file starts at byte 0 with the header; where only the output bytes limit
+    a window, the next one starts at a multiple of ``window_bytes``, so with a
+    ``window_bytes`` that is a multiple of 4096 every window but a file's last can be
+    written with O_DIRECT. (A window the staging limit closes early ends at a 4096-byte
+    boundary where it can, for the same reason.)"""
     for plan, path in zip(plans, paths):
-        win = Window(path, plan.data_start)
+        head, pos = plan.header, 0
+        while len(head) - pos > window_bytes:  # a header larger than a window (many tensors)
+            yield Window(path, pos, nbytes=window_bytes, header=head[pos:pos + window_bytes])
+            pos += window_bytes
+        win = Window(path, pos, nbytes=len(head) - pos, header=head[pos:])
+        full = False  # closed early by the staging limit
         for slot in plan.slots:
             info = infos[slot.tensor.name]
             out_dtype = slot.tensor.dtype
@@ -137,17 +153,23 @@ def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mappin
                 room = (window_bytes - win.nbytes) // out_size
                 if cast:
                     room = min(room, (window_bytes - win.stage_bytes - 8) // src_size)
-                if room <= 0:
+                if room <= 0 or full:
                     yield win
-                    win = Window(path, win.file_offset + win.nbytes)
+                    win, full = Window(path, win.file_offset + win.nbytes), False
                     continue
                 take = min(room, numel - done)
+                if cast and take < numel - done:
+                    # no room after this chunk: end the window on a 4096-byte boundary
+                    end = win.file_offset + win.nbytes + take * out_size
+                    aligned = (end // 4096 * 4096 - win.file_offset - win.nbytes) // out_size
+                    take = aligned if aligned > 0 else take
+                    full = True
                 win.chunks.append(Chunk(info, out_dtype, done, take, win.nbytes))
                 win.nbytes += take * out_size
                 if cast:
                     win.stage_bytes += _stage_size(take * src_size)
                 done += take
-        if win.chunks:
+        if win.nbytes:
             yield win
 
 
@@ -157,6 +179,8 @@ def fill_window(source: TensorSource, win: Window, out: PooledBuffer, stage: Poo
     requests, casts = [], []
     stage_off = 0
     raw = out.bytes
+    if win.header:
+        raw[:len(win.header)] = torch.frombuffer(bytearray(win.header), dtype=torch.uint8)
     for c in win.chunks:
         nbytes = c.count * element_size(c.out_dtype)
         dest = raw[c.out_offset:c.out_offset + nbytes].view(c.out_dtype)
@@ -213,7 +237,7 @@ class _Stop(Exception):
 
 
 def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 * 10**9,
-                dtype: torch.dtype = torch.float32, window_bytes: int = 64 * MiB, depth: int = 2,
+                dtype: torch.dtype = torch.float32, window_bytes: int = 64 * MiB, depth: int = 1,
                 progress: Callable[[int, int], None] | None = None) -> ConsolidateResult:
     """Write ``source`` to ``out_dir`` as (sharded) safetensors; see the module docstring.
 
@@ -222,17 +246,19 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
         dtype: the dtype of every float tensor written (``output_dtype``).
         window_bytes: bytes per I/O window (one reusable buffer).
         depth: windows filled ahead of the one being written.
-        progress: called as ``progress(bytes_written, total_bytes)``.
+        progress: called as ``progress(bytes_written, bytes_to_write)``, counting every
+            byte of the files (headers included).
     """
     plans, index, infos = plan_output(source, max_shard_bytes, dtype)
     total = sum(p.data_bytes for p in plans)
+    file_bytes = sum(p.file_size for p in plans)
     os.makedirs(out_dir, exist_ok=True)
     _remove_stale_temps(out_dir)
     tmp = os.path.join(out_dir, f"{_TMP_PREFIX}{os.getpid()}")
     os.makedirs(tmp)
     try:
         paths = [os.path.join(tmp, p.filename) for p in plans]
-        peak = _write_files(source, plans, paths, infos, total, window_bytes, depth, progress)
+        peak = _write_files(source, plans, paths, infos, file_bytes, window_bytes, depth, progress)
         if index is not None:
             with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
                 f.write(index_text(index))
@@ -249,13 +275,14 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
     """Stream every window into its file; returns the peak bytes of buffers in use."""
     # no bigger than the output needs; at least one element of any dtype plus staging slack
     window_bytes = max(64, min(window_bytes, -(-max(total, 1) // 4096) * 4096)) // 8 * 8
-    # Output is written once at offsets the 8-byte-padded header leaves unaligned, so
-    # O_DIRECT would rarely apply: plain buffered pwrite.
-    with AsyncFileIO(threads=2, queue_depth=4, direct=False) as fio, \
+    # Windows start at multiples of window_bytes: with a window that is a multiple of 4096
+    # AsyncFileIO writes them with O_DIRECT where the file system accepts it (a file's
+    # last, partial, page goes through the page cache, see _write_window).
+    direct = None if paths and window_bytes % ALIGN == 0 and _direct_ok(os.path.dirname(paths[0])) else False
+    with AsyncFileIO(threads=2, queue_depth=4, direct=direct) as fio, \
             BufferPool((depth + 4) * round_up(window_bytes), pin=False) as pool:
         for plan, path in zip(plans, paths):
             fio.preallocate(path, plan.file_size)
-            fio.write(path, 0, plan.header).result()
         filled: queue.Queue = queue.Queue(maxsize=depth)
         stop = threading.Event()
 
@@ -318,7 +345,7 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
                 if isinstance(item, BaseException):
                     raise item
                 win, buf = item
-                pending.append((fio.write(win.path, win.file_offset, buf, length=win.nbytes), buf, win))
+                pending.append((_write_window(fio, win, buf), buf, win))
                 while len(pending) > 1:  # one write in flight while the next window fills
                     written += _finish(pending.pop(0))
                     if progress:
@@ -331,8 +358,9 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
                 fio.sync(path).result()
         finally:
             stop.set()
-            for fut, buf, _ in pending:
-                fut.exception()
+            for futures, buf, _ in pending:
+                for fut in futures:
+                    fut.exception()
                 buf.release()
             while True:  # drain what the reader queued so its buffers go back
                 try:
@@ -347,11 +375,42 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
         return pool.peak_in_use
 
 
-def _finish(entry) -> int:
-    fut, buf, win = entry
+def _write_window(fio: AsyncFileIO, win: Window, buf: PooledBuffer) -> list:
+    """Start writing a window: its whole pages as one request (O_DIRECT when the window
+    starts on a page), the last partial page of a file as another (buffered)."""
+    head = win.nbytes // ALIGN * ALIGN if win.file_offset % ALIGN == 0 else 0
+    futures = []
+    if head:
+        futures.append(fio.write(win.path, win.file_offset, buf, length=head))
+    if head < win.nbytes:
+        tail = buf.memoryview(win.nbytes)[head:]
+        futures.append(fio.write(win.path, win.file_offset + head, tail))
+    return futures
+
+
+def _direct_ok(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs and some network
+    file systems refuse it; they are written through the page cache, without a warning)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = os.path.join(directory, ".direct-probe")
     try:
-        fut.result()
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def _finish(entry) -> int:
+    futures, buf, win = entry
+    try:
+        for fut in futures:
+            fut.result()
     finally:
+        for fut in futures:
+            fut.exception()  # every write of the buffer is over before it is reused
         buf.release()
     return win.nbytes
 
