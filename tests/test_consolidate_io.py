@@ -1,20 +1,19 @@
 """How consolidate moves bytes: page-aligned windows written with O_DIRECT, headers inside
 the first window(s), and the DeepSpeed reader's runs cut into pieces read in parallel."""
 
-import json
 import os
 
 import pytest
 import torch
 
 from offload_engine.checkpoint import consolidate as consolidate_mod
-from offload_engine.checkpoint.consolidate import (ReadRequest, TensorInfo, consolidate, iter_windows,
+from offload_engine.checkpoint.consolidate import (ReadRequest, consolidate, iter_windows,
                                                    plan_output, verify_output)
 from offload_engine.checkpoint.deepspeed import DeepSpeedSource
 from offload_engine.io import AsyncFileIO
 
 from test_consolidate import DictSource, bits, load_output
-from test_deepspeed_reader import FIXTURES, Z3, _moment_spans, write_synthetic
+from test_deepspeed_reader import Z3, _moment_spans, write_synthetic
 
 
 def _windows(source, window, dtype=torch.float32, max_shard=10**9):
