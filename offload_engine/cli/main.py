@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # subcommand name -> module under offload_engine.cli
@@ -27,25 +28,36 @@ class UserError(Exception):
     """An error caused by input the user gave: printed as one line, exit code 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that subcommand's module is imported (each pulls in
+    torch and more: a command should not pay for the imports of all the others)."""
     parser = argparse.ArgumentParser(
         prog="offload-engine",
         description="Optimizer-state offload engine: benchmarks, checkpoint tools and the demo.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        try:
-            mod = importlib.import_module(f"offload_engine.cli.{module}")
-        except ModuleNotFoundError as e:
-            if e.name == f"offload_engine.cli.{module}":
-                continue  # subcommand not built yet
-            raise
+        if only is not None and name != only:
+            sub.add_parser(name)  # listed, not loaded: this run does not use it
+            continue
+        mod = importlib.import_module(f"offload_engine.cli.{module}")
         mod.add_parser(sub)
     return parser
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (skipping global flags), if any."""
+    for arg in argv:
+        if arg in COMMANDS:
+            return arg
+        if not arg.startswith("-"):
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_command_in(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -58,6 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def entry() -> None:
+    """Console-script entry: run, flush, and leave without tearing down torch's globals
+    (about 0.4 s at exit that a short command like consolidate or plan should not pay).
+    Every command has finished its work and cleaned up before ``main`` returns."""
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(rc)
 
 
 if __name__ == "__main__":
