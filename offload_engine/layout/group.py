@@ -3,18 +3,33 @@
 
 A store or checkpoint generation is a group; the layers above keep their manifest in its
 attributes, rewritten atomically so a reader sees the old or the new manifest, never a mix.
+Group metadata is written as compact JSON (no indentation): a manifest of 50,000 tensors is
+half the bytes to read and parse that way.
 """
 
 from __future__ import annotations
 
 import os
 
-from .metadata import (MetadataError, NodeNotFoundError, json_attributes, metadata_path, read_node,
-                       write_json_atomic)
+from .metadata import (MetadataError, NodeNotFoundError, compact_json, metadata_path, read_node,
+                       write_text_atomic)
 
 
 def _group_doc(attributes: dict) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+
+
+def _group_text(doc: dict, path) -> str:
+    """``doc`` as compact JSON, serialised once (it doubles as the check that the
+    attributes are strict JSON); errors name the group."""
+    if not isinstance(doc.get("attributes"), dict):
+        raise ValueError(f"group {os.fspath(path)}: attributes must be a dict, got "
+                         f"{type(doc.get('attributes')).__name__}")
+    try:
+        return compact_json(doc) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"group {os.fspath(path)}: attributes are not JSON-serialisable: "
+                         f"{e}") from None
 
 
 def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
@@ -25,7 +40,6 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
     are replaced when ``attributes`` is given. An existing array is always an error.
     """
     path = os.fspath(path)
-    attributes = None if attributes is None else json_attributes(attributes, f"group {path}")
     if os.path.exists(metadata_path(path)):
         doc = read_node(path, "group")
         if doc["node_type"] != "group":
@@ -35,8 +49,9 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
         if attributes is not None:
             write_group_attributes(path, attributes)
         return
+    text = _group_text(_group_doc(attributes or {}), path)  # checked before any directory is made
     os.makedirs(path, exist_ok=True)
-    write_json_atomic(metadata_path(path), _group_doc(attributes or {}))
+    write_text_atomic(metadata_path(path), text)
 
 
 def read_group(path: str | os.PathLike) -> dict:
@@ -55,8 +70,8 @@ def write_group_attributes(path: str | os.PathLike, attributes: dict) -> None:
     Other fields of zarr.json are kept as they are.
     """
     doc = _read_group_doc(path)
-    doc["attributes"] = json_attributes(attributes, f"group {os.fspath(path)}")
-    write_json_atomic(metadata_path(path), doc)
+    doc["attributes"] = attributes
+    write_text_atomic(metadata_path(path), _group_text(doc, path))
 
 
 def list_children(path: str | os.PathLike) -> dict[str, str]:

@@ -83,15 +83,31 @@ def read_node(node_path: str | os.PathLike, kind: str = "node") -> dict:
     return doc
 
 
-def write_json_atomic(file: str | os.PathLike, doc: dict) -> None:
+def write_json_atomic(file: str | os.PathLike, doc: dict, *, compact: bool = False) -> None:
     """Replace ``file`` with ``doc`` as JSON so readers see the old or the new file, never a mix.
 
-    Writes a temporary file in the same directory, fsyncs it, renames it over ``file`` and
-    fsyncs the directory so the rename itself survives a crash.
+    ``compact`` drops indentation and spaces: group manifests can hold tens of thousands
+    of entries, and indented they are twice the bytes to read and parse. Array metadata
+    stays indented (a few hundred bytes, read by people).
     """
+    text = json.dumps(doc, allow_nan=False, **(_COMPACT if compact else _INDENTED)) + "\n"
+    write_text_atomic(file, text)
+
+
+_COMPACT = {"separators": (",", ":")}
+_INDENTED = {"indent": 2}
+
+
+def compact_json(doc) -> str:
+    """``doc`` as compact strict JSON (no NaN), as group manifests are written."""
+    return json.dumps(doc, allow_nan=False, **_COMPACT)
+
+
+def write_text_atomic(file: str | os.PathLike, text: str) -> None:
+    """Replace ``file`` with ``text``: a temporary file in the same directory, fsynced,
+    renamed over ``file``, and the directory fsynced so the rename itself survives a crash."""
     file = os.fspath(file)
     directory = os.path.dirname(os.path.abspath(file))
-    text = json.dumps(doc, indent=2, allow_nan=False) + "\n"
     tmp = os.path.join(directory, f".{os.path.basename(file)}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
