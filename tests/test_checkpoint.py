@@ -265,3 +265,35 @@ def test_live_store_manifest_lets_offline_tools_read_each_parameter(tmp_path):
         out = str(tmp_path / f"{name}.npy")
         assert cli_main(["export", store_dir, name, "--state", key, "--out", out]) == 0
         assert np.array_equal(np.load(out), want[index[name]][key].numpy())
+
+
+def write_two_live_stores(rank, world, mesh, tmp):
+    model, ref = make_pair(MIXED_SHAPES, mesh, seed=3)
+    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
+                   store=store(os.path.join(tmp, "live")))
+    set_grads(model, ref, 0, rank, world)
+    opt.step()
+    opt.close()
+
+
+def test_live_stores_of_two_ranks_list_and_read_their_own_rows(tmp_path, capsys):
+    """Each rank's store holds the tensor table (world size 2, its own "rank") and only its
+    own shard table: listed alone it counts its own bytes, its statistics cover its rows,
+    and a whole sharded tensor is in no single store."""
+    import json
+
+    spawn(2, write_two_live_stores, str(tmp_path))
+    for r in range(2):
+        d = str(tmp_path / "live" / f"rank{r}")
+        assert cli_main(["inspect", d, "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)["summary"]
+        assert s["world_size"] == 2 and list(s["bytes_by_rank"]) == [str(r)]
+        assert s["bytes_by_state"]["momentum_buffer"] == s["bytes_by_rank"][str(r)] - (
+            s["bytes_by_state"]["exp_avg"] + s["bytes_by_state"]["exp_avg_sq"])
+        assert cli_main(["inspect", d, "--stats", "--json"]) == 0
+        counts = {(x["name"], x["state"]): x["count"]
+                  for x in json.loads(capsys.readouterr().out)["stats"]}
+        assert counts[("w_big", "momentum_buffer")] == 48 * 64  # rows [48r, 48r + 48)
+    out = str(tmp_path / "w_big.npy")
+    assert cli_main(["export", d, "w_big", "--state", "momentum_buffer", "--out", out]) == 2
+    assert "held by other ranks" in capsys.readouterr().err and not os.path.exists(out)

@@ -73,7 +73,7 @@ def test_list_checkpoint_and_store(ckpt, store, capsys):
         doc = json.loads(out)
         s = doc["summary"]
         assert s["kind_label"].endswith(kind) and s["step"] == step and s["world_size"] == 4
-        assert s["format_version"] == 1
+        assert s["format_version"] == 2
         rows = {r["name"]: r for r in doc["tensors"]}
         assert set(rows) == set(model_tensors())
         wq = rows["layers.0.attn.wq.weight"]
@@ -330,19 +330,24 @@ def test_plot_without_matplotlib_is_a_clear_error(ckpt, tmp_path, capsys, monkey
     assert rc == 2 and "matplotlib" in err and len(err.strip().splitlines()) == 1
 
 
-def test_checkpoint_writer_manifest_variant(tmp_path, capsys):
-    """checkpoint.save keeps a shard's parameter next to ``states`` and names the fp32 copy
-    ``master_param``: both are read as the states ``param`` and ``master_param``."""
+def test_torch_state_names(tmp_path, capsys):
+    """checkpoint.save names the fp32 copy ``master_param``, as torch does: it is the
+    tensor's weight state, like ``master``."""
     from offload_engine.layout import read_group, write_group_attributes
+    from offload_engine.layout.manifest import read_shard_table, write_shard_table
     root, tensors = make_checkpoint(tmp_path / "ck")
     gen = os.path.join(root, "step-00000007")
     attrs = read_group(gen)
     for entry in attrs["tensors"].values():
-        for shard in entry["shards"]:
-            shard["param"] = shard["states"].pop("param")
+        if "master" in entry["states"]:
+            entry["states"]["master_param"] = entry["states"].pop("master")
+    write_group_attributes(gen, attrs)
+    for r in range(4):
+        table = read_shard_table(gen, r)
+        for shard in table.values():
             if "master" in shard["states"]:
                 shard["states"]["master_param"] = shard["states"].pop("master")
-    write_group_attributes(gen, attrs)
+        write_shard_table(gen, r, table)
     rc, out, err = run_cli(["inspect", root, "--stats", "--json"], capsys)
     assert rc == 0, err
     doc = json.loads(out)

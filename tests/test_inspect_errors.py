@@ -45,7 +45,7 @@ def test_bad_checksum_names_the_chunk(ckpt, tmp_path, capsys, command):
         f.seek(100)
         f.write(bytes([b[0] ^ 0x01]))
     rc, out, err = run_cli(COMMANDS[command](ckpt, str(tmp_path)), capsys)
-    assert_one_line_error(rc, err, chunk, "bad checksum")
+    assert_one_line_error(rc, err, chunk, "checksum mismatch")
     assert not os.path.exists(tmp_path / "out.npy")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
@@ -73,15 +73,43 @@ def test_missing_chunk_with_a_checksum(ckpt, capsys):
     assert_one_line_error(rc, err, chunk, "chunk file missing")
 
 
-@pytest.mark.parametrize("target", ["group", "array"])
+@pytest.mark.parametrize("target", ["group", "array", "rank"])
 def test_broken_json(ckpt, capsys, target):
-    where = gen_dir(ckpt) if target == "group" else os.path.join(gen_dir(ckpt), "rank2", "exp_avg")
+    """The group's zarr.json breaks listing; an array's or a rank's shard table only what
+    reads data (listing never opens them)."""
+    where = {"group": gen_dir(ckpt), "array": os.path.join(gen_dir(ckpt), "rank2", "exp_avg"),
+             "rank": os.path.join(gen_dir(ckpt), "rank2")}[target]
     path = os.path.join(where, "zarr.json")
     text = open(path).read()
     with open(path, "w") as f:
         f.write(text[: len(text) // 2])
-    rc, out, err = run_cli(["inspect", ckpt], capsys)
+    if target != "group":
+        rc, out, err = run_cli(["inspect", ckpt], capsys)
+        assert rc == 0, err
+    rc, out, err = run_cli(["inspect", ckpt] + (["--stats"] if target != "group" else []), capsys)
     assert_one_line_error(rc, err, path, "not valid JSON")
+
+
+def test_listing_reads_only_the_tensor_table(ckpt, capsys, monkeypatch):
+    """Listing opens ``latest`` and the group's zarr.json, no other file (the rest is only
+    stat-ed)."""
+    import builtins
+    opened = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        opened.append(os.fspath(file))
+        return real_open(file, *a, **k)
+    monkeypatch.setattr(builtins, "open", spy)
+    rc, out, err = run_cli(["inspect", ckpt, "--json"], capsys)
+    monkeypatch.undo()
+    assert rc == 0, err
+    under = [f for f in opened if f.startswith(ckpt)]
+    assert under == [os.path.join(ckpt, "latest"),
+                     os.path.join(ckpt, "step-00000007", "zarr.json")], under
+    files = json.loads(out)["summary"]["files"]
+    assert [os.path.relpath(f["path"], gen_dir(ckpt)) for f in files] == [
+        "zarr.json"] + [f"rank{r}/zarr.json" for r in range(4)]
 
 
 def test_missing_rank(ckpt, capsys):
@@ -90,14 +118,20 @@ def test_missing_rank(ckpt, capsys):
     assert_one_line_error(rc, err, "rank3", "missing")
 
 
+def rank_table(root: str, rank: int):
+    """(path of rank ``rank``'s group, its shard table) in the checkpoint at ``root``."""
+    from offload_engine.layout.manifest import read_shard_table
+    return os.path.join(gen_dir(root), f"rank{rank}"), read_shard_table(gen_dir(root), rank)
+
+
 def test_manifest_missing_a_shard(ckpt, capsys):
-    from offload_engine.layout import read_group, write_group_attributes
-    g = gen_dir(ckpt)
-    attrs = read_group(g)
-    shards = attrs["tensors"]["layers.0.attn.wq.weight"]["shards"]
-    attrs["tensors"]["layers.0.attn.wq.weight"]["shards"] = [s for s in shards if s["rank"] != 2]
-    write_group_attributes(g, attrs)
+    from offload_engine.layout.manifest import write_shard_table
+    _, table = rank_table(ckpt, 2)
+    del table["layers.0.attn.wq.weight"]
+    write_shard_table(gen_dir(ckpt), 2, table)
     rc, out, err = run_cli(["inspect", ckpt], capsys)
+    assert rc == 0, err  # listing does not read the shard tables
+    rc, out, err = run_cli(["inspect", ckpt, "--stats"], capsys)
     assert_one_line_error(rc, err, "layers.0.attn.wq.weight", "rows [24, 36) are in no shard")
 
 
@@ -213,15 +247,59 @@ def test_unknown_tensor_and_state(ckpt, tmp_path, capsys):
     (lambda sh: sh["states"]["exp_avg"].update(array="rank9/x"), "'rank9/x' is not in 'arrays'"),
     (lambda sh: sh["states"]["exp_avg"].update(offset=-1), "offset must be an integer >= 0"),
     (lambda sh: sh["states"]["exp_avg"].update(offset=10**9), "run past the"),
+    (lambda sh: sh["states"]["exp_avg"].update(array="rank1/param_bfloat16"), "holds torch.bfloat16"),
+    (lambda sh: sh["states"].pop("exp_avg"), "['exp_avg'] of the tensor table are missing"),
     (lambda sh: sh.pop("row_start"), "a shard has no 'row_start'"),
     (lambda sh: sh.update(numel=7), "is not rows"),
-    (lambda sh: sh.update(rank=9), "world_size is 4"),
+    (lambda sh: sh.update(rows=9, numel=9 * 16), "rank 1 holds 9 rows, the tensor table says 10"),
 ])
-def test_malformed_manifest_entries(ckpt, capsys, damage, needle):
+def test_malformed_shard_entries(ckpt, capsys, damage, needle):
+    """Damage rank 1's shard of emb.weight: what reads data names the rank's table."""
+    from offload_engine.layout.manifest import write_shard_table
+    group, table = rank_table(ckpt, 1)
+    damage(table["emb.weight"])
+    write_shard_table(gen_dir(ckpt), 1, table)
+    rc, out, err = run_cli(["inspect", ckpt, "--stats"], capsys)
+    assert_one_line_error(rc, err, os.path.join(group, "zarr.json"), "emb.weight", needle)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda e: e.update(states=["param"]), "has no 'states' object"),
+    (lambda e: e["states"].update(exp_avg="complex64"), "unknown dtype 'complex64'"),
+    (lambda e: e.update(shape=[37.5, 16]), "'shape' must be a list of integers"),
+    (lambda e: e.update(rows_per_rank=[37, 0, 0]), "'rows_per_rank' must list the rows"),
+    (lambda e: e.update(rows_per_rank=[10, 10, 10, 6]), "adding up to 37"),
+])
+def test_malformed_tensor_table(ckpt, capsys, damage, needle):
     from offload_engine.layout import read_group, write_group_attributes
     g = gen_dir(ckpt)
     attrs = read_group(g)
-    damage(attrs["tensors"]["emb.weight"]["shards"][1])
+    damage(attrs["tensors"]["emb.weight"])
     write_group_attributes(g, attrs)
     rc, out, err = run_cli(["inspect", ckpt], capsys)
-    assert_one_line_error(rc, err, "emb.weight", needle)
+    assert_one_line_error(rc, err, os.path.join(g, "zarr.json"), "emb.weight", needle)
+
+
+def test_chunks_recorded_absent(tmp_path, capsys):
+    """States given as dtypes are never written: their chunk files are absent, recorded as
+    null, read as zeros; a chunk file that appears later is an error naming it."""
+    from offload_engine.checkpoint.inspect.synthetic import write_checkpoint
+    from offload_engine.layout import read_group
+    tensors = {"w": {"shape": [128, 32], "dtype": torch.float32, "optimizer": "muon",
+                     "states": {"param": torch.ones(128, 32), "momentum_buffer": torch.float32}}}
+    gen = write_checkpoint(str(tmp_path), tensors, 2, 3, chunk_bytes=4096)
+    crcs = read_group(gen)["checksums"]
+    assert crcs["rank0/momentum_buffer"] == [None, None] and None not in crcs["rank0/param"]
+    rc, out, err = run_cli(["inspect", tmp_path, "--stats", "--json"], capsys)
+    assert rc == 0, err
+    stats = {(s["name"], s["state"]): s for s in json.loads(out)["stats"]}
+    assert stats[("w", "momentum_buffer")]["zero_fraction"] == 1.0
+    chunk = os.path.join(gen, "rank1", "momentum_buffer", "c", "1")
+    os.makedirs(os.path.dirname(chunk), exist_ok=True)
+    with open(chunk, "wb") as f:
+        f.write(bytes(4096))
+    for args in (["inspect", tmp_path, "--stats"],
+                 ["export", tmp_path, "w", "--state", "momentum_buffer", "--out",
+                  tmp_path / "m.npy"]):
+        rc, out, err = run_cli(args, capsys)
+        assert_one_line_error(rc, err, chunk, "records it as absent")

@@ -7,7 +7,8 @@
   group with the manifest, crc32c checksums, ``committed``; ``latest``), 4 ranks, 4 KiB
   chunks so every array has several chunk files.
 - ``make_live_store``: the same states written through a real ``TieredStore``, the tensor
-  table added with ``update_manifest`` as the optimizer does.
+  table added with ``update_manifest`` and the ranks' shard tables beside it, as the
+  optimizer does (here one store holds all 4 ranks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import torch
 
 from offload_engine.checkpoint.inspect.synthetic import plan_sharded, write_checkpoint
+from offload_engine.layout.manifest import write_shard_table
 from offload_engine.cli.main import main
 from offload_engine.store import TieredStore
 
@@ -61,7 +63,7 @@ def make_live_store(root, tensors=None, world_size: int = 4, step: int = 11,
                     with_table: bool = True) -> tuple[str, dict]:
     """A store directory written by TieredStore (8 KiB buckets = chunk files)."""
     tensors = tensors if tensors is not None else model_tensors()
-    arrays, entries, writes = plan_sharded(tensors, world_size)
+    arrays, entries, shards, writes = plan_sharded(tensors, world_size)
     config = {"nvme_paths": [str(root)], "cpu_budget": "64KiB", "bucket_bytes": "8KiB",
               "prefetch_depth": 1}
     with TieredStore(config) as store:
@@ -77,6 +79,8 @@ def make_live_store(root, tensors=None, world_size: int = 4, step: int = 11,
                 h.tensor.copy_(values[a - offset:b - offset])
                 store.release(h, dirty=True)
         if with_table:
+            for rank, table in shards.items():
+                write_shard_table(store.root, rank, table)
             store.update_manifest({"tensors": entries, "world_size": world_size, "step": step})
     return str(root), tensors
 

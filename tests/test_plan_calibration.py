@@ -26,7 +26,8 @@ from torch import nn
 
 from offload_engine.io.align import round_up
 from offload_engine.optim import ZeroMuon
-from offload_engine.plan.memory import PlanOptions, compute_bytes, rank_states
+from offload_engine.plan.memory import (PlanOptions, compute_bytes, rank_states, rank_tables,
+                                        store_metadata_bytes)
 from offload_engine.plan.model_shapes import from_hf_config
 from offload_engine.plan.placement import needed_pinned
 from offload_engine.plan.planner import Machine, build_plan
@@ -173,7 +174,10 @@ def run_case(rank, world, mesh, tmp, case):
         if nv is not None:
             assert nv["chunk_files"] == want_chunks
             assert abs(nv["total"] - total) <= 0.02 * total, (nv, total)
-        meta = sum(a.metadata_bytes() for a in st.arrays.values())
+        # metadata: the arrays' zarr.json, the group's (with the tensor table) and the shard table
+        meta = (sum(a.metadata_bytes() for a in st.arrays.values())
+                + store_metadata_bytes(list(st.arrays.values()), [rank_dir],
+                                       rank_tables(st, world)))
         assert abs((total - chunks) - meta) <= 0.1 * meta + 1024, (total - chunks, meta)
 
 

@@ -3,7 +3,8 @@
 ```
 <ckpt_dir>/
   latest                       text: the name of the newest committed generation
-  step-00000030/               a committed generation (a zarr v3 group; manifest in zarr.json)
+  step-00000030/               a committed generation (a zarr v3 group; tensor table in zarr.json)
+    rank0/                     rank 0's arrays; its shard table in rank0/zarr.json
   step-00000040.partial/       a generation being written, or torn by a crash: never loaded
 ```
 
@@ -17,10 +18,11 @@ from __future__ import annotations
 import os
 
 from ..layout import read_group
+from ..layout.manifest import MANIFEST_VERSION, read_shard_table
 from ..layout.metadata import MetadataError, NodeNotFoundError, fsync_dir
 
 FORMAT = "offload-engine-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = MANIFEST_VERSION
 PARTIAL = ".partial"
 LATEST = "latest"
 
@@ -78,12 +80,29 @@ def manifest(gen: str) -> dict:
     if attrs.get("format") != FORMAT:
         raise CheckpointError(f"{os.path.join(gen, 'zarr.json')}: format is "
                               f"{attrs.get('format')!r}, not {FORMAT!r}")
-    if attrs.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{os.path.join(gen, 'zarr.json')}: format version "
-                              f"{attrs['format_version']} is newer than this reader ({FORMAT_VERSION})")
+    version = attrs.get("format_version", 0)
+    if version != FORMAT_VERSION:
+        why = ("newer than this reader" if isinstance(version, int) and version > FORMAT_VERSION
+               else "not supported by this reader")
+        raise CheckpointError(f"{os.path.join(gen, 'zarr.json')}: format version {version!r} "
+                              f"is {why} (it reads version {FORMAT_VERSION})")
     if attrs.get("committed") is not True:
         raise CheckpointError(f"{gen}: not committed (torn write)")
     for key in ("step", "world_size", "tensors", "checksums"):
         if key not in attrs:
             raise CheckpointError(f"{os.path.join(gen, 'zarr.json')}: manifest has no {key!r}")
     return attrs
+
+
+def shard_tables(gen: str, ranks) -> dict[str, list[tuple[int, dict]]]:
+    """The shard tables of ``ranks`` of a generation, merged: ``{tensor name: [(rank,
+    shard entry), ...]}`` in rank order. Errors name the rank's zarr.json."""
+    out: dict[str, list[tuple[int, dict]]] = {}
+    for r in ranks:
+        try:
+            table = read_shard_table(gen, r)
+        except (MetadataError, NodeNotFoundError) as e:
+            raise CheckpointError(f"{gen}: rank {r}'s shard table: {e}") from None
+        for name, shard in table.items():
+            out.setdefault(name, []).append((r, shard))
+    return out

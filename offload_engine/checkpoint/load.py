@@ -1,11 +1,12 @@
 """Load a checkpoint generation into a model and its ZeroMuon optimizer, at the world size
 it was saved with or another one (all ranks call it).
 
-Each rank computes its own row block of every parameter from the *current* sharding and
-reads those rows from whichever saved shards hold them (the manifest's ``row_start``,
-``rows`` and offsets), one parameter at a time, verifying the crc32c of every chunk it
-reads. Parameters are written into the model in place; state goes into the optimizer's
-store.
+Each rank computes its own row block of every parameter from the *current* sharding, reads
+the shard tables of the saved ranks whose rows overlap it (the tensor table's row split
+says which: at the same world size, its own and rank 0's), and reads those rows from the
+saved shards (``row_start``, ``rows`` and offsets), one parameter at a time, verifying the
+crc32c of every chunk it reads. Parameters are written into the model in place; state goes
+into the optimizer's store.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 
 from ..io import AsyncFileIO
 from ..layout import FlatArray
-from ..layout.dtypes import torch_to_zarr
+from ..layout.dtypes import torch_to_zarr, zarr_to_torch
+from ..layout.manifest import ranks_holding_rows, rows_per_rank
 from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
 from .checksums import ChunkVerifier
-from .generations import CheckpointError, manifest, resolve
+from .generations import CheckpointError, manifest, resolve, shard_tables
 from .save import _collective, param_name
 
 
@@ -33,6 +35,22 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
     rank, _, _ = _collective()
     opt = optimizer
     tensors = attrs["tensors"]
+    wanted = {}  # parameter name -> (info, its tensor table entry, rows [lo, lo + rows))
+    needed: set[int] = set()
+    for info in opt.infos:
+        pname = param_name(info)
+        entry = tensors.get(pname)
+        if entry is None:
+            raise CheckpointError(f"{gen}: the checkpoint has no parameter {pname!r}")
+        if tuple(entry["shape"]) != info.shape or entry["dtype"] != torch_to_zarr(info.dtype):
+            raise CheckpointError(
+                f"{gen}: parameter {pname} is {entry['dtype']} {entry['shape']} in the "
+                f"checkpoint but {torch_to_zarr(info.dtype)} {list(info.shape)} in the model")
+        r = rank if info.distributed else 0
+        lo, rows = info.row_offset(r), info.rows_per_rank[r]
+        wanted[pname] = (info, entry, lo, rows)
+        needed.update(ranks_holding_rows(rows_per_rank(entry, attrs["world_size"]), lo, lo + rows))
+    shards = shard_tables(gen, sorted(needed))
     verifier = ChunkVerifier(gen, attrs["checksums"])
     io = AsyncFileIO(threads=4, queue_depth=4)
     arrays: dict[str, FlatArray] = {}
@@ -47,28 +65,20 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
         return arrays[name]
 
     try:
-        for info in opt.infos:
-            pname = param_name(info)
-            entry = tensors.get(pname)
-            if entry is None:
-                raise CheckpointError(f"{gen}: the checkpoint has no parameter {pname!r}")
-            if tuple(entry["shape"]) != info.shape or entry["dtype"] != torch_to_zarr(info.dtype):
-                raise CheckpointError(
-                    f"{gen}: parameter {pname} is {entry['dtype']} {entry['shape']} in the "
-                    f"checkpoint but {torch_to_zarr(info.dtype)} {list(info.shape)} in the model")
-            r = rank if info.distributed else 0
-            lo, rows, rn = info.row_offset(r), info.rows_per_rank[r], info.row_numel
+        for pname, (info, entry, lo, rows) in wanted.items():
+            rn = info.row_numel
+            pieces = shards.get(pname, [])  # [(saved rank, shard entry)]
 
             def gather(key: str, dtype: torch.dtype) -> torch.Tensor:
                 out = torch.empty(rows * rn, dtype=dtype)
                 covered = 0
-                for sh in entry["shards"]:
+                for srank, sh in pieces:
                     a, b = max(lo, sh["row_start"]), min(lo + rows, sh["row_start"] + sh["rows"])
                     if a >= b:
                         continue
-                    where = sh["param"] if key == "param" else sh["states"].get(key)
+                    where = sh["states"].get(key)
                     if where is None:
-                        raise CheckpointError(f"{gen}: shard of rank {sh['rank']} of {pname} "
+                        raise CheckpointError(f"{gen}: shard of rank {srank} of {pname} "
                                               f"has no {key!r}")
                     flat = array(where["array"])
                     if flat.dtype != dtype:
@@ -85,15 +95,13 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
 
             param = local_param(info)
             param.view(-1).copy_(gather("param", info.dtype).to(param.device))
-            saved_states = set(entry["shards"][0]["states"]) if entry["shards"] else set()
+            saved_states = {k: v for k, v in entry["states"].items() if k != "param"}
             if not saved_states:
                 continue
-            wanted = param_state_arrays(opt, info)
-            for key in wanted:
+            for key in param_state_arrays(opt, info):
                 if key not in saved_states:
                     raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
-                dtype = array(entry["shards"][0]["states"][key]["array"]).dtype
-                write_param_state(opt, info, key, gather(key, dtype))
+                write_param_state(opt, info, key, gather(key, zarr_to_torch(saved_states[key])))
             mark_restored(opt, info, entry.get("adam_step"))
         for saved, group in zip(attrs.get("param_groups", []), opt.param_groups):
             for k, v in saved.items():

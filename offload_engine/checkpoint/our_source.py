@@ -1,5 +1,6 @@
 """Our checkpoints as a consolidation source: each parameter reassembled from its row
-blocks (``shards`` in the manifest) with every chunk read verified against its crc32c."""
+blocks (the ranks' shard tables, read on the first read) with every chunk read verified
+against its crc32c."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ..layout import FlatArray
 from ..layout.dtypes import zarr_to_torch
 from .checksums import ChunkVerifier
 from .consolidate import TensorInfo
-from .generations import CheckpointError, manifest, resolve
+from .generations import CheckpointError, manifest, resolve, shard_tables
 
 
 def is_our_checkpoint(path: str) -> bool:
@@ -44,12 +45,10 @@ class CheckpointSource:
         self._arrays: dict[str, FlatArray] = {}
         self._verifier = ChunkVerifier(self.gen, self.attrs["checksums"])
         self._infos = []
-        self._entries = {}
         for name in sorted(self.attrs["tensors"]):
             entry = self.attrs["tensors"][name]
-            shape = tuple(entry["shape"])
-            self._infos.append(TensorInfo(name, shape, zarr_to_torch(entry["dtype"])))
-            self._entries[name] = entry
+            self._infos.append(TensorInfo(name, tuple(entry["shape"]), zarr_to_torch(entry["dtype"])))
+        self._shards: dict | None = None  # {name: [(rank, shard)]}, read when first needed
         # exclude_frozen: every parameter the optimizer saw had a gradient; nothing to drop
 
     def tensors(self) -> list[TensorInfo]:
@@ -73,19 +72,20 @@ class CheckpointSource:
 
     def read(self, requests) -> None:
         """Fill each request's ``out`` with elements [start, start + n) of the full tensor."""
+        if self._shards is None:
+            self._shards = shard_tables(self.gen, range(self.attrs["world_size"]))
         for req in requests:
-            entry = self._entries[req.name]
-            shape = entry["shape"]
+            shape = self.attrs["tensors"][req.name]["shape"]
             row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
             lo, hi = req.start, req.start + req.out.numel()
             futures = []
-            for sh in entry["shards"]:
+            for _, sh in self._shards.get(req.name, []):
                 s_lo = sh["row_start"] * row_numel
                 s_hi = s_lo + sh["numel"]
                 a, b = max(lo, s_lo), min(hi, s_hi)
                 if a >= b:
                     continue
-                where = sh["param"]
+                where = sh["states"]["param"]
                 flat = self._array(where["array"])
                 start = where["offset"] + (a - s_lo)
                 self._verifier.verify(where["array"], flat, start, start + b - a)

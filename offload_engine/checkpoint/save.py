@@ -3,9 +3,12 @@
 Each rank writes its own rows of every parameter and every optimizer state into flat zarr
 arrays ``rank{r}/<key>`` (key: ``param``, ``momentum_buffer``, ``exp_avg``, ...; a
 ``.<dtype>`` suffix when not float32), one parameter at a time, so memory is bounded by the
-largest local shard. Rank 0 writes the manifest (docs/format.md: global shapes, row blocks,
-offsets, optimizer kinds, step, crc32c of every chunk) and commits: fsync, atomic rename of
-``<gen>.partial`` to ``<gen>``, then ``latest``.
+largest local shard, then its shard table (where its rows of every parameter sit) in the
+attributes of group ``rank{r}``. Rank 0 writes the tensor table (global shapes, dtypes,
+optimizer kinds, states, step, crc32c of every chunk: docs/format.md, "Manifest") and
+commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then ``latest``. Only
+small per-rank summaries travel between ranks (arrays, checksums, AdamW steps), never the
+shard tables.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from ..io import AsyncFileIO, IOFuture
 from ..io.page_cache import sync_tree
 from ..layout import FlatArray, create_group
 from ..layout.dtypes import torch_to_zarr
+from ..layout.manifest import rank_group, shard_entry, tensor_entry, write_shard_table
 from ..layout.metadata import fsync_dir
 from ..optim.state_access import (adam_step, has_state, local_param, param_state_arrays,
                                   read_param_state)
-from .checksums import file_crc32c
+from .checksums import chunk_checksums
 from .generations import FORMAT, FORMAT_VERSION, PARTIAL, generation_name, write_latest
 
 CHUNK_BYTES = 64 << 20
@@ -77,74 +81,67 @@ def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int,
     sizes: dict[str, tuple[torch.dtype, int]] = {}
     shards: dict[str, dict] = {}
 
-    def place(key: str, dtype: torch.dtype, n: int) -> dict:
+    def place(key: str, dtype: torch.dtype, n: int) -> tuple[str, int]:
         arr = array_name(rank, key, dtype)
         dt, used = sizes.get(arr, (dtype, 0))
         sizes[arr] = (dtype, used + n)
-        return {"array": arr, "offset": used}
+        return arr, used
 
     for info in infos:
         r = rank if info.distributed else 0
         n = info.local_numel(r)
-        shard = {"rank": rank, "row_start": info.row_offset(r), "rows": info.rows_per_rank[r],
-                 "numel": n, "param": place("param", info.dtype, n), "states": {}}
-        if has_state(opt, info):
-            for key, arr in param_state_arrays(opt, info).items():
-                dtype = torch.float32 if key == "master_param" else opt.layout.chunks[
-                    opt.layout.param_chunk[info.index]].state_dtype
-                shard["states"][key] = place(key, dtype, n)
-        shards[param_name(info)] = shard
+        states = {key: place(key, dt, n) for key, dt in saved_states(opt, info).items()}
+        shards[param_name(info)] = shard_entry(info.row_offset(r), info.rows_per_rank[r], n,
+                                               states)
 
-    # -- write: one parameter at a time --------------------------------------------------
-    create_group(os.path.join(staging, f"rank{rank}"), {})
+    # -- write: one parameter at a time, then this rank's shard table ----------------------
+    rank_dir = os.path.join(staging, rank_group(rank))
+    create_group(rank_dir, {})
     io = AsyncFileIO(threads=4, queue_depth=4)
     try:
         arrays = {arr: FlatArray.create(os.path.join(staging, arr), n, dt, io=io,
                                         chunk_bytes=chunk_bytes)
                   for arr, (dt, n) in sizes.items()}
         for info in infos:
-            shard = shards[param_name(info)]
-            pending: list[IOFuture] = []
-            values = {"param": local_param(info).detach().reshape(-1).cpu()}
-            for key in shard["states"]:
-                values[key] = read_param_state(opt, info, key)
-            for key, value in values.items():
-                where = shard["param"] if key == "param" else shard["states"][key]
-                arr = arrays[where["array"]]
+            states = shards[param_name(info)]["states"]
+            pending: list[tuple[IOFuture, torch.Tensor]] = []  # a source lives until written
+            for key, where in states.items():
+                value = (local_param(info).detach().reshape(-1).cpu() if key == "param"
+                         else read_param_state(opt, info, key)).contiguous()
                 off = where["offset"]
-                pending.append(arr.write_from(off, off + value.numel(), value.contiguous()))
-            for f in pending:
+                pending.append((arrays[where["array"]].write_from(off, off + value.numel(), value),
+                                value))
+            for f, _ in pending:
                 f.result()
         for arr in arrays.values():
             arr.sync().result()
-        checksums = {name_: [file_crc32c(a.chunk_path(i)) for i in range(a.nchunks)
-                             if os.path.exists(a.chunk_path(i))]
-                     for name_, a in arrays.items()}
+        checksums = {name_: chunk_checksums(a) for name_, a in arrays.items()}
     finally:
         io.close()
-    sync_tree(os.path.join(staging, f"rank{rank}"))
+    write_shard_table(staging, rank, shards)
+    sync_tree(rank_dir)
 
-    # -- manifest and commit (rank 0) ----------------------------------------------------
-    mine = {"shards": shards, "checksums": checksums,
+    # -- tensor table and commit (rank 0) --------------------------------------------------
+    steps = {param_name(i): adam_step(opt, i) for i in infos}
+    mine = {"checksums": checksums,
             "arrays": {a: {"dtype": torch_to_zarr(dt), "numel": n} for a, (dt, n) in sizes.items()},
-            "adam_steps": {param_name(i): adam_step(opt, i) for i in infos}}
+            "adam_steps": {k: v for k, v in steps.items() if v is not None}}
     gathered = [None] * world
     if coll:
         dist.all_gather_object(gathered, mine)
     else:
         gathered = [mine]
     if rank == 0:
+        adam_steps = {k: v for g in reversed(gathered) for k, v in g["adam_steps"].items()}
         tensors = {}
         for info in opt.infos:
             pname = param_name(info)
-            tensors[pname] = {
-                "shape": list(info.shape), "dtype": torch_to_zarr(info.dtype),
-                "optimizer": info.kind,
-                "adam_step": next((g["adam_steps"][pname] for g in gathered
-                                   if g["adam_steps"].get(pname) is not None), None),
-                "shards": sorted((g["shards"][pname] for g in gathered if pname in g["shards"]),
-                                 key=lambda s: s["rank"]),
-            }
+            held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
+            tensors[pname] = tensor_entry(
+                info.shape, torch_to_zarr(info.dtype), info.kind,
+                {k: torch_to_zarr(dt) for k, dt in saved_states(opt, info).items()}, held, world)
+            if pname in adam_steps:
+                tensors[pname]["adam_step"] = adam_steps[pname]
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                    if k not in ("params", "param_names") and _jsonable(v)}
                   for g in opt.param_groups]
@@ -162,6 +159,18 @@ def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int,
         write_latest(ckpt_dir, name)
     _barrier(coll)
     return final
+
+
+def saved_states(opt, info) -> dict[str, torch.dtype]:
+    """``{key: dtype}`` of what is saved for parameter ``info``: ``param`` and, once it has
+    optimizer state, every state key (``master_param`` is float32, the others the state
+    dtype of its chunk)."""
+    out = {"param": info.dtype}
+    if has_state(opt, info):
+        state_dtype = opt.layout.chunks[opt.layout.param_chunk[info.index]].state_dtype
+        for key in param_state_arrays(opt, info):
+            out[key] = torch.float32 if key == "master_param" else state_dtype
+    return out
 
 
 def _jsonable(v) -> bool:

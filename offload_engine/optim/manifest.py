@@ -1,28 +1,47 @@
-"""What ZeroMuon records in its store's manifest (docs/format.md, "Manifest"), so offline
-tools can show a live store per parameter: global shape, dtype, optimizer kind, and where
-this rank's rows of every state sit in the flat arrays."""
+"""What ZeroMuon records in its store (docs/format.md, "Manifest"), so offline tools can
+show a live store per parameter: the tensor table (global shape, dtype, optimizer kind,
+state dtypes) in the store's group attributes, and this rank's shard table (where its rows
+of every state sit in the flat arrays) in group ``rank{r}``. The planner sizes the same
+tables with ``manifest_tables``."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+
 from ..layout.dtypes import torch_to_zarr
+from ..layout.manifest import shard_entry, tensor_entry
 from .state_io import state_key
+from .state_layout import MASTER
 
 
-def store_manifest(opt) -> dict:
-    """``{"world_size", "rank", "tensors"}`` for this rank's store."""
-    tensors = {}
-    for info in opt.infos:
-        chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
-        r = opt.rank if info.distributed else 0
+def store_manifest(opt) -> tuple[dict, dict]:
+    """``({"world_size", "rank", "tensors"}, shard table)`` for this rank's store.
+
+    A replicated (non-DTensor) parameter is kept whole by every rank's store, so its
+    ``rows_per_rank`` is all rows on every rank."""
+    return manifest_tables(opt.infos, opt.layout, opt.rank, opt.world, opt.array_name,
+                           lambda i: i.rows_per_rank if i.distributed else [i.rows] * opt.world)
+
+
+def manifest_tables(infos, layout, rank: int, world: int, array_name: Callable[[str], str],
+                    rows_of: Callable) -> tuple[dict, dict]:
+    """The tensor table entries and rank ``rank``'s shard table for parameters ``infos``
+    laid out by ``layout``; ``rows_of(info)`` gives the rows each of the ``world`` ranks
+    holds, ``array_name`` the store name of a layout array."""
+    tensors, shards = {}, {}
+    for info in infos:
+        chunk = layout.chunks[layout.param_chunk[info.index]]
+        rows = rows_of(info)
         offset = chunk.offsets[info.index]
-        tensors[info.name or f"param.{info.index}"] = {
-            "shape": list(info.shape), "dtype": torch_to_zarr(info.dtype), "optimizer": info.kind,
-            "shards": [{
-                "rank": opt.rank, "row_start": info.row_offset(r), "rows": info.rows_per_rank[r],
-                "numel": chunk.sizes[info.index],
-                "states": {state_key(name): {"array": opt.array_name(name),
-                                             "offset": chunk.starts[name] + offset}
-                           for name in chunk.arrays},
-            }],
-        }
-    return {"world_size": opt.world, "rank": opt.rank, "tensors": tensors}
+        name = info.name or f"param.{info.index}"
+        dtypes = {state_key(a): torch_to_zarr(torch.float32 if a == MASTER else chunk.state_dtype)
+                  for a in chunk.arrays}
+        tensors[name] = tensor_entry(info.shape, torch_to_zarr(info.dtype), info.kind, dtypes,
+                                     rows, world)
+        row_start = sum(rows[:rank]) if info.distributed else 0
+        shards[name] = shard_entry(row_start, rows[rank], chunk.sizes[info.index],
+                                   {state_key(a): (array_name(a), chunk.starts[a] + offset)
+                                    for a in chunk.arrays})
+    return {"world_size": world, "rank": rank, "tensors": tensors}, shards

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..layout.manifest import write_shard_table
 from ..store import StoreConfig, TieredStore
 from .comm import Exchange, plan_chunk
 from .manifest import store_manifest
@@ -192,7 +193,9 @@ class ZeroMuon(torch.optim.Optimizer):
                 self.store.register(self.array_name(name), dtype, numel)
             self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.forward_order()])
             if self.store.root is not None:
-                self.store.update_manifest(store_manifest(self))
+                tensors, shards = store_manifest(self)
+                write_shard_table(self.store.root, self.rank, shards)  # before the table naming it
+                self.store.update_manifest(tensors)
         except Exception:
             if self._own_store:
                 self.store.close()

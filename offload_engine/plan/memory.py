@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..io.align import round_up
 from ..layout import dtypes as zdtypes
-from ..layout.metadata import new_array_doc
+from ..layout.manifest import MANIFEST_VERSION, SHARDS, fsdp_rows
+from ..layout.metadata import compact_json, new_array_doc
+from ..optim.manifest import manifest_tables
 from ..optim.owners import assign_owners
 from ..optim.param_rules import default_use_muon
 from ..optim.pipeline import SLOTS
@@ -219,6 +221,7 @@ class RankState:
     ns_max_min_dim: int = 0
     ns_owned: int = 0
     max_segment: int = 0
+    infos: list = field(default_factory=list, repr=False)  # this rank's view (its layout's)
 
     def order(self) -> list[tuple[str, int]]:
         """(array, bucket) in the order a forward step acquires them."""
@@ -293,7 +296,8 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
     for r in range(world):
         g = groups[bisect.bisect_right(starts, r) - 1]
         st = RankState(r, g["layout"], g["arrays"], local_numel=g["n"][0], local_muon=g["n"][1],
-                       local_adamw=g["n"][2], send_max=g["send_max"], max_segment=g["max_segment"])
+                       local_adamw=g["n"][2], send_max=g["send_max"], max_segment=g["max_segment"],
+                       infos=infos)
         if dist_chunks:
             st.recv_max = recv_max[r]
             # U to the owners and O back, bf16, a rank's own block excluded
@@ -353,12 +357,31 @@ def compute_bytes(st: RankState, model: ModelShapes, opts: PlanOptions, gpu_budg
     return gpu, host
 
 
-def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str]) -> int:
-    """Bytes of the store's group zarr.json (the manifest as TieredStore writes it)."""
-    doc = {"zarr_format": 3, "node_type": "group", "attributes": {
-        "format": "offload-engine-store", "format_version": 1,
-        "arrays": {f"rank0/{a.name}": {"dtype": zdtypes.from_torch(a.dtype).zarr_name,
-                                       "numel": a.numel, "home": "nvme",
-                                       "bucket_elems": a.bucket_elems} for a in arrays},
-        "stripes": stripes}}
-    return len(json.dumps(doc, indent=2, allow_nan=False)) + 1
+def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
+                         tables: tuple[dict, dict] | None = None) -> int:
+    """Bytes of a rank's store metadata besides its arrays' zarr.json: the group's zarr.json
+    (the manifest as TieredStore writes it, compact) and, given ZeroMuon's ``tables``
+    (``rank_tables``), the tensor table merged into it and the shard table in
+    ``rank{r}/zarr.json``."""
+    attrs = {"format": "offload-engine-store", "format_version": MANIFEST_VERSION,
+             "arrays": {f"rank0/{a.name}": {"dtype": zdtypes.from_torch(a.dtype).zarr_name,
+                                            "numel": a.numel, "home": "nvme",
+                                            "bucket_elems": a.bucket_elems} for a in arrays},
+             "stripes": stripes}
+    total = 0
+    if tables is not None:
+        root, shards = tables
+        attrs = {**root, "step": 0, **attrs}
+        total += len(compact_json(_group_doc({SHARDS: shards}))) + 1
+    return total + len(compact_json(_group_doc(attrs))) + 1
+
+
+def _group_doc(attributes: dict) -> dict:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+
+
+def rank_tables(st: RankState, world: int) -> tuple[dict, dict]:
+    """ZeroMuon's manifest tables for rank ``st.rank`` (``optim.manifest``): every
+    parameter is FSDP2-sharded when ``world`` > 1."""
+    return manifest_tables(st.infos, st.layout, st.rank, world, lambda n: f"rank{st.rank}/{n}",
+                           lambda i: fsdp_rows(i.rows, world))

@@ -16,7 +16,7 @@ from ..io.align import round_up
 from ..store import StoreConfig
 from . import deepspeed_compat
 from .memory import (PlanOptions, RankState, classify, compute_bytes, itemsize,
-                     rank_states, store_metadata_bytes)
+                     rank_states, rank_tables, store_metadata_bytes)
 from .model_shapes import ModelShapes
 from .placement import (HOST_PER_RANK, OS_FRACTION, Placement, TierVerdict, binding,
                         candidate_world_sizes, choose, usable_gpu, working_buckets)
@@ -81,7 +81,9 @@ def build_plan(model: ModelShapes, opts: PlanOptions, machine: Machine,
     homes = {n: place.home for n in states[0].arrays}
     stripes = [str(p) for p in machine.nvme_paths] or [NVME_PLACEHOLDER]
 
-    per_rank = [_rank_bytes(st, model, opts, place, homes, stripes, workload) for st in states]
+    meta: dict[int, int] = {}  # store metadata bytes per layout (its ranks differ by digits)
+    per_rank = [_rank_bytes(st, model, opts, place, homes, stripes, workload, meta)
+                for st in states]
     ios, seen = [], {}
     for st in states:  # ranks with one layout move the same bytes: replay each layout once
         if id(st.layout) not in seen:
@@ -221,7 +223,8 @@ def emit_config(place: Placement, machine: Machine, opts: PlanOptions) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-def _rank_bytes(st: RankState, model, opts, place: Placement, homes, stripes, workload) -> dict:
+def _rank_bytes(st: RankState, model, opts, place: Placement, homes, stripes, workload,
+                meta_cache: dict) -> dict:
     gpu, host = compute_bytes(st, model, opts, place.gpu_budget, workload.activations)
     nvme_arrays = [a for n, a in st.arrays.items() if homes[n] == "nvme"]
     pool = round_up(place.cpu_budget)
@@ -232,8 +235,13 @@ def _rank_bytes(st: RankState, model, opts, place: Placement, homes, stripes, wo
            **{f"host_{k}": v for k, v in host.items()}}
     cpu_total = pool + HOST_PER_RANK + sum(host.values())
     files = sum(a.file_bytes for a in nvme_arrays)
-    meta = (sum(a.metadata_bytes() for a in nvme_arrays)
-            + store_metadata_bytes(nvme_arrays, stripes)) if nvme_arrays else 0
+    meta = 0
+    if nvme_arrays:
+        if id(st.layout) not in meta_cache:
+            meta_cache[id(st.layout)] = (
+                sum(a.metadata_bytes() for a in nvme_arrays)
+                + store_metadata_bytes(nvme_arrays, stripes, rank_tables(st, opts.world_size)))
+        meta = meta_cache[id(st.layout)]
     return {"rank": st.rank,
             "gpu": {**gpu, "total": sum(gpu.values())},
             "cpu": {**cpu, "total": cpu_total},

@@ -24,6 +24,7 @@ import torch
 from ..io import AsyncFileIO, BufferPool, PoolExhaustedError
 from ..layout import FlatArray, create_group, read_group, write_group_attributes
 from ..layout.dtypes import torch_to_zarr
+from ..layout.manifest import MANIFEST_VERSION
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .config import StoreConfig
 from .lock import WriteLock
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 FORMAT = "offload-engine-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = MANIFEST_VERSION  # the optimizer's tensor table shares the group (docs/format.md)
 
 
 @dataclass(eq=False)

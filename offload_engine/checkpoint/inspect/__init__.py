@@ -8,7 +8,8 @@ and returns an ``InspectSource``.
 from __future__ import annotations
 
 from .detect import detect, detect_with_manifest
-from .errors import ChecksumError, InspectError
+from ..checksums import ChecksumError
+from .errors import InspectError
 from .model import KIND_LABELS, SourceInfo, StateMeta, TensorMeta
 from .source import InspectSource
 

@@ -1,4 +1,8 @@
-"""Errors of offline inspection. All are ValueErrors: the CLI prints them as one line, exit 2."""
+"""Errors of offline inspection. All are ValueErrors: the CLI prints them as one line, exit 2.
+
+A chunk file that does not match its recorded crc32c is the checkpoint layer's
+``ChecksumError`` (``offload_engine.checkpoint.checksums``), whoever reads it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,3 @@ class InspectError(ValueError):
 
     The message names the file or directory and says what is wrong.
     """
-
-
-class ChecksumError(InspectError):
-    """A checkpoint chunk file whose crc32c is not the one its manifest records."""

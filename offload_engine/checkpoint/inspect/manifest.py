@@ -1,13 +1,10 @@
-"""The manifest of a store or checkpoint generation (group attributes, docs/format.md),
-checked and turned into logical tensors and the array ranges that hold them.
+"""The tensor table of a store or checkpoint generation (group attributes, docs/format.md),
+checked and turned into logical tensors: everything listing shows, from the group's
+zarr.json alone.
 
-Everything here is metadata: nothing reads a chunk file. Each shard state of a tensor
-becomes a ``Placement``: elements ``[dest, dest + numel)`` of the flattened logical
-tensor are elements ``[offset, offset + numel)`` of an array. Row blocks (FSDP2
-``Shard(0)``) are contiguous in row-major order, so a shard starting at row ``row_start``
-lands at ``dest = row_start * (elements per row)``. A shard's parameter may be listed
-inside ``states`` (docs/format.md) or next to it as ``"param": {"array", "offset"}`` (what
-``checkpoint.save`` writes); both become the state ``param``.
+Per-rank bytes come from the row split (FSDP2 ``Shard(0)``, or a tensor's
+``rows_per_rank``), not from the shard tables: those are parsed only when data is read
+(``shard_tables.py``), and are checked there against this table.
 """
 
 from __future__ import annotations
@@ -20,19 +17,20 @@ from typing import NamedTuple
 import torch
 
 from offload_engine.layout import zarr_to_torch
+from offload_engine.layout.manifest import MANIFEST_VERSION, fsdp_rows, held_ranks
 
 from .errors import InspectError
 from .model import StateMeta, TensorMeta
 
 FORMATS = {"store": "offload-engine-store", "checkpoint": "offload-engine-checkpoint"}
-KNOWN_VERSIONS = (1,)
+KNOWN_VERSIONS = (MANIFEST_VERSION,)
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
 
 
 class Placement(NamedTuple):
     """Elements ``[dest, dest + numel)`` of a logical tensor's state are elements
     ``[offset, offset + numel)`` of array ``array``, held by ``rank``. (A tuple: a
-    manifest of 50,000 tensors over 8 ranks makes over a million of them.)"""
+    manifest of 50,000 tensors over 8 ranks makes over half a million of them.)"""
 
     dest: int
     numel: int
@@ -48,6 +46,7 @@ class ArrayEntry:
     numel: int
     home: str | None
     rank: int | None
+    chunk_elems: int | None = None  # a store's bucket_elems (its chunk size), when recorded
 
 
 @dataclass
@@ -58,11 +57,18 @@ class Manifest:
     world_size: int | None
     arrays: dict[str, ArrayEntry]
     tensors: list[TensorMeta]
-    placements: dict[tuple[str, str], list[Placement]]
+    ranks: list[int]                        # ranks whose shard tables the group holds
+    rows: dict[str, list[int]]              # tensor -> rows each rank holds
     checksums: dict[str, list] | None = None
     committed: bool | None = None
     has_tensor_table: bool = True
+    placements: dict | None = None          # known at once only for a store without tensors
     extra: dict = field(default_factory=dict)
+
+    @property
+    def all_ranks(self) -> bool:
+        """Whether the group holds every rank (a checkpoint), not one (a live store)."""
+        return self.world_size is not None and self.ranks == list(range(self.world_size))
 
 
 def _int(value, what: str, where: str, minimum: int = 0) -> int:
@@ -74,7 +80,7 @@ def _int(value, what: str, where: str, minimum: int = 0) -> int:
 def _dtype(name, what: str, where: str) -> torch.dtype:
     try:
         return zarr_to_torch(name)
-    except ValueError:
+    except (ValueError, TypeError):
         raise InspectError(f"{where}: {what} has unknown dtype {name!r}") from None
 
 
@@ -101,31 +107,24 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
         if committed is not True:
             raise InspectError(f"{where}: the generation is not committed ('committed' is "
                                f"{committed!r}): an interrupted save, not a checkpoint")
-        checksums = attrs.get("checksums")
-        if not isinstance(checksums, dict):
-            raise InspectError(f"{where}: a checkpoint manifest needs 'checksums' "
-                               f"{{array: [crc32c per chunk]}}")
-        for name, crcs in checksums.items():
-            if name not in arrays:
-                raise InspectError(f"{where}: checksums for array {name!r}, which is not in "
-                                   f"'arrays'")
-            if not isinstance(crcs, list) or not all(
-                    c is None or (isinstance(c, int) and not isinstance(c, bool)
-                                  and 0 <= c < 2**32) for c in crcs):
-                raise InspectError(f"{where}: checksums of array {name!r} must be a list of "
-                                   f"unsigned 32-bit integers")
-    tensors_doc = attrs.get("tensors")
-    if tensors_doc is None:
-        tensors, placements = _bare_arrays(arrays)
-        has_table = False
-    else:
-        tensors, placements = _parse_tensors(tensors_doc, arrays, world, where)
-        has_table = True
+        checksums = _parse_checksums(attrs.get("checksums"), arrays, where)
     extra = {k: v for k, v in attrs.items()
              if k not in ("format", "format_version", "step", "world_size", "arrays",
                           "tensors", "checksums", "committed", "stripes")}
-    return Manifest(fmt, version, step, world, arrays, tensors, placements, checksums,
-                    committed, has_table, extra)
+    tensors_doc = attrs.get("tensors")
+    if tensors_doc is None:
+        tensors, placements = _bare_arrays(arrays)
+        return Manifest(fmt, version, step, world, arrays, tensors, [], {}, checksums,
+                        committed, False, placements, extra)
+    if world is None:
+        raise InspectError(f"{where}: a manifest with a tensor table needs 'world_size'")
+    ranks = held_ranks(attrs)
+    if not all(type(r) is int and 0 <= r < world for r in ranks):
+        raise InspectError(f"{where}: 'rank' must be an integer in [0, {world}), got "
+                           f"{attrs.get('rank')!r}")
+    tensors, rows = _parse_tensors(tensors_doc, world, ranks, where)
+    return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
+                    committed, True, None, extra)
 
 
 def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
@@ -136,10 +135,27 @@ def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
         if not isinstance(entry, dict):
             raise InspectError(f"{where}: arrays[{name!r}] must be an object")
         m = _RANK_PREFIX.match(name)
+        chunk = entry.get("bucket_elems")
         out[name] = ArrayEntry(name, _dtype(entry.get("dtype"), f"array {name!r}", where),
                                _int(entry.get("numel"), f"numel of array {name!r}", where),
-                               entry.get("home"), int(m.group(1)) if m else None)
+                               entry.get("home"), int(m.group(1)) if m else None,
+                               chunk if type(chunk) is int and chunk > 0 else None)
     return out
+
+
+def _parse_checksums(doc, arrays: dict[str, ArrayEntry], where: str) -> dict[str, list]:
+    if not isinstance(doc, dict):
+        raise InspectError(f"{where}: a checkpoint manifest needs 'checksums' "
+                           f"{{array: [crc32c or null per chunk]}}")
+    for name, crcs in doc.items():
+        if name not in arrays:
+            raise InspectError(f"{where}: checksums for array {name!r}, which is not in "
+                               f"'arrays'")
+        if not isinstance(crcs, list) or not all(
+                c is None or (type(c) is int and 0 <= c < 2**32) for c in crcs):
+            raise InspectError(f"{where}: checksums of array {name!r} must be a list of "
+                               f"unsigned 32-bit integers or nulls")
+    return doc
 
 
 def _bare_arrays(arrays: dict[str, ArrayEntry]):
@@ -156,23 +172,18 @@ def _bare_arrays(arrays: dict[str, ArrayEntry]):
     return tensors, placements
 
 
-_EMPTY: dict = {}
-_new_placement = tuple.__new__  # Placement without the namedtuple constructor's frame
-
-
 def _nat(value) -> bool:
     return type(value) is int and value >= 0
 
 
-def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where: str):
-    """The tensor table. Checks run on every shard, so they are written for speed; the
-    error message is only built when one fails."""
+def _parse_tensors(doc, world: int, ranks: list[int], where: str):
+    """The tensor table: TensorMeta per entry and the rows each rank holds. Runs once per
+    tensor at listing, so the checks are written for speed; messages are built on failure."""
     if not isinstance(doc, dict):
         raise InspectError(f"{where}: 'tensors' must be an object {{name: entry}}")
-    itemsizes = {n: torch.empty((), dtype=a.dtype).element_size() for n, a in arrays.items()}
-    numels = {n: a.numel for n, a in arrays.items()}
-    dtypes = {n: a.dtype for n, a in arrays.items()}
-    tensors, placements = [], {}
+    dtypes: dict[str, tuple[torch.dtype, int]] = {}  # zarr name -> (dtype, itemsize)
+    all_ranks = ranks == list(range(world))
+    tensors, rows_of = [], {}
     for name, entry in doc.items():
         if type(entry) is not dict:
             raise InspectError(f"{where}: tensor {name!r} must be an object")
@@ -184,109 +195,32 @@ def _parse_tensors(doc, arrays: dict[str, ArrayEntry], world: int | None, where:
         dtype = _dtype(entry.get("dtype"), f"tensor {name!r}", where)
         rows = shape[0] if shape else 1
         row_numel = math.prod(shape[1:])
-        shards = entry.get("shards")
-        if type(shards) is not list or not shards:
-            raise InspectError(f"{where}: tensor {name!r} has no 'shards' list")
-        by_state: dict[str, tuple] = {}  # state -> (placements, bytes per rank, arrays)
-        covered = []
-        for shard in shards:
-            if type(shard) is not dict:
-                raise InspectError(f"{where}: tensor {name!r}: every shard must be an object")
-            try:
-                rank, row_start = shard["rank"], shard["row_start"]
-                nrows, numel = shard["rows"], shard["numel"]
-            except KeyError as e:
-                raise InspectError(f"{where}: tensor {name!r}: a shard has no {e.args[0]!r}") from None
-            if not (type(rank) is int and type(row_start) is int and type(nrows) is int
-                    and type(numel) is int and rank >= 0 and row_start >= 0 and nrows >= 0
-                    and numel >= 0):
-                raise InspectError(f"{where}: tensor {name!r}: a shard's rank, row_start, rows "
-                                   f"and numel must be integers >= 0, got {rank!r}, "
-                                   f"{row_start!r}, {nrows!r}, {numel!r}")
-            if world is not None and rank >= world:
-                raise InspectError(f"{where}: tensor {name!r} has a shard on rank {rank}, but "
-                                   f"world_size is {world}")
-            if numel != nrows * row_numel:
-                raise InspectError(f"{where}: tensor {name!r}, rank {rank}: numel {numel} is not "
-                                   f"rows {nrows} x {row_numel} elements per row")
-            covered.append((row_start, nrows, rank))
-            states = shard.get("states", _EMPTY)
-            if type(states) is not dict:
-                raise InspectError(f"{where}: tensor {name!r}, rank {rank}: 'states' must be an "
-                                   f"object")
-            param = shard.get("param")
-            if param is not None:  # the checkpoint writer keeps the parameter beside its states
-                states = {"param": param, **states}
-            if not states:
-                raise InspectError(f"{where}: tensor {name!r}, rank {rank}: shard has no states")
-            dest = row_start * row_numel
-            for state, ref in states.items():
-                try:
-                    array, offset = ref["array"], ref["offset"]
-                    limit = numels[array]
-                except (KeyError, TypeError):
-                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel,
-                                                numels)) from None
-                if type(offset) is not int or offset < 0 or offset + numel > limit:
-                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel, numels))
-                acc = by_state.get(state)
-                if acc is None:
-                    acc = by_state[state] = ([], {}, set())
-                acc[0].append(_new_placement(Placement, (dest, numel, array, offset, rank)))
-                per_rank = acc[1]
-                per_rank[rank] = per_rank.get(rank, 0) + numel * itemsizes[array]
-                acc[2].add(array)
-        _check_rows(covered, rows, f"tensor {name!r}", where)
+        counts = entry.get("rows_per_rank")
+        if counts is None:
+            counts = fsdp_rows(rows, world)
+        elif (type(counts) is not list or len(counts) != world or not all(_nat(c) for c in counts)
+              or (all_ranks and sum(counts) != rows)):
+            raise InspectError(f"{where}: tensor {name!r}: 'rows_per_rank' must list the rows "
+                               f"of each of the {world} ranks" + (f", adding up to {rows}"
+                                                                  if all_ranks else "")
+                               + f", got {counts!r}")
+        states = entry.get("states")
+        if type(states) is not dict or not states:
+            raise InspectError(f"{where}: tensor {name!r} has no 'states' object "
+                               f"{{state: dtype}}")
+        numel = rows * row_numel
         states_meta = {}
-        for state, (pls, per_rank, used) in by_state.items():
-            if len(pls) != len(shards):
-                missing = sorted({r for _, _, r in covered} - {p.rank for p in pls})
-                raise InspectError(f"{where}: tensor {name!r}: state {state!r} is missing from "
-                                   f"the shard of rank(s) {missing}")
-            sdtypes = {dtypes[a] for a in used}
-            if len(sdtypes) > 1:
-                raise InspectError(f"{where}: tensor {name!r}: state {state!r} is held in "
-                                   f"arrays of different dtypes")
-            pls.sort()
-            states_meta[state] = StateMeta(sdtypes.pop(), rows * row_numel, per_rank)
-            placements[(name, state)] = pls
+        for state, sdtype in states.items():
+            known = dtypes.get(sdtype) if type(sdtype) is str else None
+            if known is None:
+                dt = _dtype(sdtype, f"tensor {name!r}, state {state!r},", where)
+                known = dtypes[sdtype] = (dt, torch.empty((), dtype=dt).element_size())
+            per_row = row_numel * known[1]
+            states_meta[state] = StateMeta(known[0], numel, {r: counts[r] * per_row for r in ranks})
         optimizer = entry.get("optimizer")
         if optimizer is not None and type(optimizer) is not str:
             raise InspectError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
         tensors.append(TensorMeta(name, shape, dtype, optimizer, states_meta))
-    return tensors, placements
+        rows_of[name] = counts
+    return tensors, rows_of
 
-
-def _bad_ref(where, name, rank, state, ref, numel, numels) -> str:
-    head = f"{where}: tensor {name!r}, rank {rank}, state {state!r}"
-    if type(ref) is not dict or ref.get("array") not in numels:
-        array = ref.get("array") if type(ref) is dict else ref
-        return f"{head}: array {array!r} is not in 'arrays'"
-    offset = ref.get("offset")
-    if not _nat(offset):
-        return f"{head}: offset must be an integer >= 0, got {offset!r}"
-    return (f"{head}: elements [{offset}, {offset + numel}) run past the "
-            f"{numels[ref['array']]} of array {ref['array']!r}")
-
-
-def _check_rows(covered: list, rows: int, what: str, where: str) -> None:
-    """The shards' row blocks must tile [0, rows) exactly."""
-    pos = 0
-    for row_start, nrows, rank in sorted(covered):
-        if nrows == 0:
-            continue
-        if row_start > pos:
-            raise InspectError(f"{where}: {what}: rows [{pos}, {row_start}) are in no shard "
-                               f"(a missing rank?)")
-        if row_start < pos:
-            raise InspectError(f"{where}: {what}: the shard of rank {rank} overlaps rows "
-                               f"[{row_start}, {pos})")
-        pos = row_start + nrows
-    if pos != rows:
-        raise InspectError(f"{where}: {what}: shards cover rows [0, {pos}) of {rows} "
-                           f"(a missing rank?)")
-
-
-def rank_of_array(name: str) -> int | None:
-    m = _RANK_PREFIX.match(name)
-    return int(m.group(1)) if m else None

@@ -1,79 +1,90 @@
 """Write stores and checkpoints in the documented format (docs/format.md, "Manifest") from
-tensors in memory: for tests, benchmarks and examples, until the optimizer and the
-checkpoint writer produce them.
+tensors in memory: for tests, benchmarks and examples. The manifest goes through the same
+helpers as ``checkpoint.save`` and the optimizer's store manifest (``layout.manifest``:
+tensor entries, shard entries, shard tables; ``checkpoint.checksums``: chunk checksums).
 
 Layout: every state ``s`` of rank ``r`` is one array ``rank{r}/{s}`` (``rank{r}/{s}_<dtype>``
 for states not in float32, as the optimizer names them); each tensor is split
 into FSDP2 ``Shard(0)`` row blocks (``ceil(rows / world_size)`` rows per rank, the last
 ranks short or empty) and each rank's block of each state is appended to that rank's
-array. A checkpoint generation adds ``committed`` and the crc32c of every chunk file, and
-the checkpoint folder gets a ``latest`` file naming it.
+array. Rank r's shard table is the attributes of group ``rank{r}``. A checkpoint
+generation adds ``committed`` and the crc32c of every chunk (null where absent), and the
+checkpoint folder gets a ``latest`` file naming it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
 from offload_engine.io import AsyncFileIO
-from offload_engine.layout import FlatArray, create_group, torch_to_zarr, write_group_attributes
+from offload_engine.layout import FlatArray, create_group, torch_to_zarr, zarr_to_torch
+from offload_engine.layout.manifest import (MANIFEST_VERSION, fsdp_rows, shard_entry,
+                                            tensor_entry, tensor_rows, write_shard_table)
 
-from .checksums import crc32c
+from ..checksums import chunk_checksums
 from .manifest import FORMATS
 
 MiB = 1 << 20
 
 
+class ShardedPlan(NamedTuple):
+    """Where everything goes: ``arrays`` {array: {"dtype", "numel"}} and ``tensors`` (the
+    tensor table) for the group's attributes, ``shards`` {rank: shard table}, and
+    ``writes`` [(array, offset, values)] for the states given as tensors."""
+
+    arrays: dict
+    tensors: dict
+    shards: dict
+    writes: list
+
+
 def row_blocks(rows: int, world_size: int) -> list[tuple[int, int]]:
     """(row_start, rows) per rank, as ``torch.chunk`` splits rows (FSDP2 Shard(0))."""
-    per = -(-rows // world_size) if rows else 0
-    out = []
-    for r in range(world_size):
-        lo = min(rows, r * per)
-        out.append((lo, min(rows, lo + per) - lo))
+    out, start = [], 0
+    for n in fsdp_rows(rows, world_size):
+        out.append((start, n))
+        start += n
     return out
 
 
-def plan_sharded(tensors: dict, world_size: int) -> tuple[dict, dict, list]:
-    """Lay ``tensors`` out over ``world_size`` ranks (see ``write_sharded``).
-
-    Returns ``(arrays, entries, writes)``: ``arrays`` {array: {"dtype", "numel"}} for the
-    manifest, ``entries`` the manifest's ``tensors``, ``writes`` [(array, offset, values)]
-    for the states given as tensors.
-    """
+def plan_sharded(tensors: dict, world_size: int) -> ShardedPlan:
+    """Lay ``tensors`` out over ``world_size`` ranks (see ``write_sharded``)."""
     arrays: dict[str, dict] = {}
     cursors: dict[str, int] = {}
     entries = {}
+    shards: dict[int, dict] = {r: {} for r in range(world_size)}
     writes = []
     for name, spec in tensors.items():
         shape = list(spec["shape"])
-        rows = shape[0] if shape else 1
+        rows = tensor_rows(shape)
         row_numel = math.prod(shape[1:])
-        shards = []
-        for r, (row_start, nrows) in enumerate(row_blocks(rows, world_size)):
+        zdtypes = {state: torch_to_zarr(value.dtype if isinstance(value, torch.Tensor) else value)
+                   for state, value in spec["states"].items()}
+        blocks = row_blocks(rows, world_size)
+        for r, (row_start, nrows) in enumerate(blocks):
             numel = nrows * row_numel
             states = {}
             for state, value in spec["states"].items():
-                dtype = value.dtype if isinstance(value, torch.Tensor) else value
-                zdtype = torch_to_zarr(dtype)
+                zdtype = zdtypes[state]
                 array = f"rank{r}/{state}" + ("" if zdtype == "float32" else f"_{zdtype}")
                 arrays.setdefault(array, {"dtype": zdtype, "numel": 0})
                 offset = cursors.get(array, 0)
                 cursors[array] = offset + numel
-                states[state] = {"array": array, "offset": offset}
+                states[state] = (array, offset)
                 if isinstance(value, torch.Tensor) and numel:
                     flat = value.reshape(-1)
                     writes.append((array, offset,
                                    flat[row_start * row_numel:row_start * row_numel + numel]))
-            shards.append({"rank": r, "row_start": row_start, "rows": nrows, "numel": numel,
-                           "states": states})
-        entries[name] = {"shape": shape, "dtype": torch_to_zarr(spec["dtype"]),
-                         "optimizer": spec.get("optimizer"), "shards": shards}
+            shards[r][name] = shard_entry(row_start, nrows, numel, states)
+        entries[name] = tensor_entry(shape, torch_to_zarr(spec["dtype"]), spec.get("optimizer"),
+                                     zdtypes, [n for _, n in blocks], world_size)
     for array, n in cursors.items():
         arrays[array]["numel"] = n
-    return arrays, entries, writes
+    return ShardedPlan(arrays, entries, shards, writes)
 
 
 def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "checkpoint",
@@ -85,49 +96,37 @@ def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "ch
     "optimizer": "muon" | "adamw" | None, "states": {state: tensor or torch dtype}}}``.
     A state given as a tensor (the full, unsharded value) is written; given as a dtype,
     only the manifest and array metadata are (``data=False`` does this for all: chunk
-    files absent, reading as zeros). Returns the manifest written.
+    files absent, reading as zeros). Returns the group's attributes as written.
     """
     own_io = io is None
     io = io or AsyncFileIO(threads=4, queue_depth=4)
     try:
-        arrays, entries, writes = plan_sharded(tensors, world_size)
+        plan = plan_sharded(tensors, world_size)
         if kind == "store":
-            for meta in arrays.values():
-                size = torch.empty((), dtype=_dtype(meta["dtype"])).element_size()
+            for meta in plan.arrays.values():
+                size = torch.empty((), dtype=zarr_to_torch(meta["dtype"])).element_size()
                 meta.update(home="nvme", bucket_elems=chunk_bytes // size)
-        create_group(group, {"format": FORMATS[kind], "format_version": 1, "arrays": {}},
-                     exist_ok=True)
-        flats = {a: FlatArray.create(os.path.join(group, a), m["numel"], _dtype(m["dtype"]),
+        flats = {a: FlatArray.create(os.path.join(group, a), m["numel"], zarr_to_torch(m["dtype"]),
                                      io=io, chunk_bytes=chunk_bytes, overwrite=True)
-                 for a, m in arrays.items()}
+                 for a, m in plan.arrays.items()}
         if data:
-            for array, offset, values in writes:
+            for array, offset, values in plan.writes:
                 flats[array].write(offset, values.to(flats[array].dtype).contiguous())
-        manifest = {"format": FORMATS[kind], "format_version": 1, "arrays": arrays,
-                    "world_size": world_size, "step": step, "tensors": entries}
+        for r, table in plan.shards.items():
+            write_shard_table(group, r, table)
+        attrs = {"format": FORMATS[kind], "format_version": MANIFEST_VERSION,
+                 "arrays": plan.arrays, "world_size": world_size, "step": step,
+                 "tensors": plan.tensors}
         if kind == "checkpoint":
             for flat in flats.values():
                 flat.sync().result()
-            manifest["checksums"] = {a: chunk_checksums(f) for a, f in flats.items()}
-            manifest["committed"] = True
-        write_group_attributes(group, manifest)
-        return manifest
+            attrs["checksums"] = {a: chunk_checksums(f) for a, f in flats.items()}
+            attrs["committed"] = True
+        create_group(group, attrs, exist_ok=True)
+        return attrs
     finally:
         if own_io:
             io.close()
-
-
-def chunk_checksums(flat: FlatArray) -> list[int | None]:
-    """crc32c of every chunk file of ``flat`` (None for a chunk file that is absent)."""
-    out = []
-    for i in range(flat.nchunks):
-        path = flat.chunk_path(i)
-        if not os.path.exists(path):
-            out.append(None)
-            continue
-        with open(path, "rb") as f:
-            out.append(crc32c(f.read()))
-    return out
 
 
 def write_checkpoint(root: str, tensors: dict, world_size: int, step: int,
@@ -140,8 +139,3 @@ def write_checkpoint(root: str, tensors: dict, world_size: int, step: int,
     with open(os.path.join(root, "latest"), "w", encoding="utf-8") as f:
         f.write(generation + "\n")
     return group
-
-
-def _dtype(name: str) -> torch.dtype:
-    from offload_engine.layout import zarr_to_torch
-    return zarr_to_torch(name)

@@ -6,7 +6,8 @@ the ``BufferPool``. ``WindowStream`` keeps ``depth`` windows in flight (``AsyncF
 while the caller works on the oldest one; memory is ``(depth + 1) * window_bytes`` whatever
 the size of the input. When the manifest records a crc32c per chunk file, every window of
 a chunk is read (edge padding included) and the checksum is compared when the chunk's last
-window has been consumed; a mismatch is a ``ChecksumError`` naming the chunk file.
+window has been consumed; a mismatch is a ``ChecksumError`` naming the chunk file. A chunk
+recorded as absent (``null``) must still be absent: it reads as the fill value.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import torch
 from offload_engine.io import AsyncFileIO, BufferPool, PooledBuffer
 from offload_engine.layout import ChunkSizeError, FlatArray, TruncatedChunkError
 
-from .checksums import crc32c_extend
-from .errors import ChecksumError
+from ..checksums import crc32c_extend, mismatch, missing, unexpected
 
 PAGE = 4096
 
@@ -47,6 +47,11 @@ class ChunkedArray:
         """Whether reads of ``chunk`` are checked against a recorded checksum."""
         return (self.checksums is not None and self.flat.direct
                 and self.checksums[chunk] is not None)
+
+    def recorded_absent(self, chunk: int) -> bool:
+        """Whether the checkpoint recorded ``chunk`` as a chunk file that did not exist."""
+        return (self.checksums is not None and self.flat.direct
+                and self.checksums[chunk] is None)
 
     def windows(self, chunk: int, window_bytes: int) -> list["Window"]:
         """The windows that read ``chunk``: the whole file when it is checksummed, else the
@@ -93,9 +98,10 @@ def chunk_present(array: ChunkedArray, chunk: int) -> bool:
         size = os.stat(path).st_size
     except FileNotFoundError:
         if array.verified(chunk):
-            raise ChecksumError(f"{path}: chunk file missing, but the checkpoint manifest "
-                                f"records its crc32c (deleted or never written)") from None
+            raise missing(path) from None
         return False
+    if array.recorded_absent(chunk):
+        raise unexpected(path)
     want = array.flat.chunk_bytes
     if size < want:
         raise TruncatedChunkError(errno.ENODATA, "read", path, 0, want,
@@ -206,9 +212,8 @@ class WindowStream:
             return
         want = int(w.array.checksums[w.chunk])
         if crc != want:
-            raise ChecksumError(f"{w.array.flat.chunk_path(w.chunk)}: bad checksum: crc32c is "
-                                f"{crc:#010x}, the checkpoint manifest records {want:#010x} "
-                                f"(chunk {w.chunk} of array {w.array.name} is corrupt)")
+            raise mismatch(w.array.flat.chunk_path(w.chunk), crc, want,
+                           f"chunk {w.chunk} of array {w.array.name}")
 
 
 def fill(t: torch.Tensor, value) -> None:
@@ -244,6 +249,8 @@ class RangeReader:
                     self._verify(array, chunk)
                 self._copy_verified(array, chunk, pos, end, dst)
             else:
+                if array.recorded_absent(chunk):
+                    chunk_present(array, chunk)  # raises if a file appeared since the save
                 flat.read_into(pos, end, dst).result()
             pos = end
 

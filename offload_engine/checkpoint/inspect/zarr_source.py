@@ -1,10 +1,13 @@
-"""Live stores and offload-engine checkpoints: a zarr group whose attributes are the manifest.
+"""Live stores and offload-engine checkpoints: a zarr group whose attributes are the
+tensor table, and one shard table per rank (docs/format.md, "Manifest").
 
-Listing reads the group's zarr.json and each array's zarr.json, nothing else. Reading goes
-through the engine's own chunk I/O (``AsyncFileIO``, O_DIRECT into ``BufferPool`` buffers);
-``scan`` walks each array in storage order, window by window with read-ahead, and hands
-every window to the caller with the tensor pieces it holds. Checkpoint chunks are checked
-against the crc32c their manifest records, on every read.
+Listing reads the group's zarr.json and nothing else (files are only stat-ed, to name a
+missing rank at once). The first read of data opens the arrays and parses the shard tables
+of the ranks the group holds. Reading goes through the engine's own chunk I/O
+(``AsyncFileIO``, O_DIRECT into ``BufferPool`` buffers); ``scan`` walks each array in
+storage order, window by window with read-ahead, and hands every window to the caller with
+the tensor pieces it holds. Checkpoint chunks are checked against the crc32c their
+manifest records, on every read.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import torch
 
 from offload_engine.io import AsyncFileIO, BufferPool
 from offload_engine.layout import FlatArray, MetadataError, NodeNotFoundError, read_group
+from offload_engine.layout.manifest import read_shard_table, shard_table_path
 
 from .errors import InspectError
 from .manifest import parse_manifest
 from .model import SourceInfo, TensorMeta
+from .shard_tables import ShardTables
 from .source import MiB, InspectSource, Progress, Visit
 from .windows import ChunkedArray, RangeReader, WindowStream
 
@@ -34,12 +39,12 @@ DEFAULT_DEPTH = 4   # windows read ahead: 80 MiB in flight at 16 MiB, more than 
 
 @contextlib.contextmanager
 def gc_paused():
-    """No cyclic garbage collection while a large manifest becomes millions of small
-    objects (none of them cyclic). Re-enabling alone would only defer the cost: the first
-    young-generation collection would then walk every object made meanwhile (1.2 s for a
-    50,000-tensor, 8-rank manifest). ``freeze`` + ``unfreeze`` moves them straight to the
-    oldest generation instead, which is collected only rarely. (A short-lived process can
-    ``gc.freeze()`` for good afterwards, as the command line does.)"""
+    """No cyclic garbage collection while a large manifest becomes many small objects
+    (none of them cyclic). Re-enabling alone would only defer the cost: the first
+    young-generation collection would then walk every object made meanwhile (1.2 s for the
+    manifest of 50,000 tensors over 8 ranks). ``freeze`` + ``unfreeze`` moves them straight
+    to the oldest generation instead, which is collected only rarely. (A short-lived
+    process can ``gc.freeze()`` for good afterwards, as the command line does.)"""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -87,65 +92,116 @@ class ZarrSource(InspectSource):
             if attrs is None:
                 attrs = read_manifest_attrs(self.group)
             self.manifest = parse_manifest(attrs, kind, where)
-        # The parsed JSON is kept until the source goes away: freeing millions of objects
-        # costs about as much as building them, and listing has no use for that time.
-        self._attrs = attrs
-        self._io = AsyncFileIO(threads=io_threads, queue_depth=io_threads, block_size=8 * MiB)
-        self._pool: BufferPool | None = None
-        self._ranges: RangeReader | None = None
-        try:
-            self._arrays = self._open_arrays()
-        except BaseException:
-            self._io.close()
-            raise
         m = self.manifest
-        chunk_files = sum(a.flat.nchunks for a in self._arrays.values())
+        self._check_ranks()
+        files = [(where, os.path.getsize(where))] + self._stat_shard_tables()
+        self._stat_arrays()
         self.info = SourceInfo(
             kind=kind, path=self.group, format=m.format, format_version=m.format_version,
-            step=m.step, generation=generation, world_size=m.world_size,
-            files=[(where, os.path.getsize(where))], file_count=1 + len(self._arrays) + chunk_files)
+            step=m.step, generation=generation, world_size=m.world_size, files=files,
+            file_count=len(files) + len(m.arrays) + self._declared_chunks())
         if not m.has_tensor_table:
             self.info.notes.append("no tensor table in the manifest (the optimizer has not "
                                    "written one): flat arrays are listed as they are")
-        self._check_ranks()
+        self._io = AsyncFileIO(threads=io_threads, queue_depth=io_threads, block_size=8 * MiB)
+        self._arrays: dict[str, ChunkedArray] = {}
+        self._placements = m.placements  # None until the shard tables are read
+        self._pool: BufferPool | None = None
+        self._ranges: RangeReader | None = None
 
-    def _open_arrays(self) -> dict[str, ChunkedArray]:
-        out = {}
-        for name, entry in self.manifest.arrays.items():
-            path = os.path.join(self.group, name)
+    # -- metadata: what listing checks without reading ------------------------------------
+    def _stat_shard_tables(self) -> list[tuple[str, int]]:
+        """(path, bytes) of each held rank's shard table; a missing one names the rank."""
+        out = []
+        for r in self.manifest.ranks:
+            path = shard_table_path(self.group, r)
             try:
-                flat = FlatArray.open(path, io=self._io, mode="r")
-            except NodeNotFoundError:
-                rank = f" (rank {entry.rank} missing?)" if entry.rank is not None else ""
-                raise InspectError(f"{path}: array {name!r} listed in the manifest is missing"
-                                   f"{rank}") from None
-            except MetadataError as e:
-                raise InspectError(str(e)) from None
-            if flat.dtype != entry.dtype or flat.numel != entry.numel:
-                raise InspectError(f"{path}: array holds {flat.numel} x {flat.dtype}, the manifest "
-                                   f"says {entry.numel} x {entry.dtype}")
-            crcs = None
-            if self.manifest.checksums is not None:
-                crcs = self.manifest.checksums.get(name)
-                if crcs is None:
-                    raise InspectError(f"{path}: no checksums recorded for array {name!r} in the "
-                                       f"checkpoint manifest")
-                if len(crcs) != flat.nchunks:
-                    raise InspectError(f"{path}: the manifest records {len(crcs)} checksums, "
-                                       f"the array has {flat.nchunks} chunk files")
-            out[name] = ChunkedArray(name, flat, crcs)
+                out.append((path, os.path.getsize(path)))
+            except FileNotFoundError:
+                raise InspectError(f"{path}: rank {r}'s shard table is missing (rank {r} "
+                                   f"missing?)") from None
         return out
 
+    def _stat_arrays(self) -> None:
+        for name, entry in self.manifest.arrays.items():
+            path = os.path.join(self.group, name)
+            if not os.path.isfile(os.path.join(path, "zarr.json")):
+                rank = f" (rank {entry.rank} missing?)" if entry.rank is not None else ""
+                raise InspectError(f"{path}: array {name!r} listed in the manifest is missing"
+                                   f"{rank}")
+
+    def _declared_chunks(self) -> int:
+        """Chunk files the arrays may have: the checksums' count (checkpoints), else
+        numel / chunk size where the store records it."""
+        m, n = self.manifest, 0
+        for name, a in m.arrays.items():
+            if m.checksums is not None and name in m.checksums:
+                n += len(m.checksums[name])
+            elif a.chunk_elems:
+                n += -(-a.numel // a.chunk_elems)
+        return n
+
     def _check_ranks(self) -> None:
-        world = self.manifest.world_size
-        if world is None:
+        m = self.manifest
+        if m.world_size is None:
             return
-        ranks = {a.rank for a in self.manifest.arrays.values() if a.rank is not None}
-        if ranks and ranks != set(range(world)):
-            missing = sorted(set(range(world)) - ranks)
-            if missing:
-                raise InspectError(f"{self.group}: world_size is {world} but no array belongs to "
-                                   f"rank(s) {missing} (a missing rank)")
+        want = set(m.ranks) if m.has_tensor_table else set(range(m.world_size))
+        ranks = {a.rank for a in m.arrays.values() if a.rank is not None}
+        missing = sorted(want - ranks)
+        if ranks and missing:
+            raise InspectError(f"{self.group}: world_size is {m.world_size} but no array belongs "
+                               f"to rank(s) {missing} (a missing rank)")
+
+    # -- data: arrays and shard tables, on first use -------------------------------------
+    def _array(self, name: str) -> ChunkedArray:
+        array = self._arrays.get(name)
+        if array is None:
+            array = self._arrays[name] = self._open_array(name)
+        return array
+
+    def _open_array(self, name: str) -> ChunkedArray:
+        entry = self.manifest.arrays[name]
+        path = os.path.join(self.group, name)
+        try:
+            flat = FlatArray.open(path, io=self._io, mode="r")
+        except NodeNotFoundError:
+            rank = f" (rank {entry.rank} missing?)" if entry.rank is not None else ""
+            raise InspectError(f"{path}: array {name!r} listed in the manifest is missing"
+                               f"{rank}") from None
+        except MetadataError as e:
+            raise InspectError(str(e)) from None
+        if flat.dtype != entry.dtype or flat.numel != entry.numel:
+            raise InspectError(f"{path}: array holds {flat.numel} x {flat.dtype}, the manifest "
+                               f"says {entry.numel} x {entry.dtype}")
+        crcs = None
+        if self.manifest.checksums is not None:
+            crcs = self.manifest.checksums.get(name)
+            if crcs is None:
+                raise InspectError(f"{path}: no checksums recorded for array {name!r} in the "
+                                   f"checkpoint manifest")
+            if len(crcs) != flat.nchunks:
+                raise InspectError(f"{path}: the manifest records {len(crcs)} checksums, "
+                                   f"the array has {flat.nchunks} chunks")
+        return ChunkedArray(name, flat, crcs)
+
+    def placements(self) -> dict:
+        """{(tensor, state): [Placement]} from the held ranks' shard tables, read once."""
+        if self._placements is None:
+            tables = ShardTables(self.manifest)
+            with gc_paused():
+                for r in self.manifest.ranks:
+                    where = shard_table_path(self.group, r)
+                    try:
+                        doc = read_shard_table(self.group, r)
+                    except NodeNotFoundError:
+                        raise InspectError(f"{where}: rank {r}'s shard table is missing (rank "
+                                           f"{r} missing?)") from None
+                    except MetadataError as e:
+                        raise InspectError(str(e)) from None
+                    tables.add(r, doc, where)
+                    del doc
+                self._placements = tables.finish(self.group)
+        return self._placements
 
     # -- InspectSource ---------------------------------------------------------------------
     def tensors(self) -> list[TensorMeta]:
@@ -158,7 +214,7 @@ class ZarrSource(InspectSource):
         return self._ranges
 
     def read(self, name: str, state: str, start: int, out: torch.Tensor) -> None:
-        placements = self.manifest.placements.get((name, state))
+        placements = self.placements().get((name, state))
         if placements is None:
             raise InspectError(f"{self.group}: tensor {name!r} has no state {state!r}")
         lo, hi = start, start + out.numel()
@@ -170,12 +226,17 @@ class ZarrSource(InspectSource):
                 break
             if p.dest + p.numel <= pos:
                 continue
+            if p.dest > pos:
+                break  # rows no shard of this group holds (a live store has one rank's)
             take = min(hi, p.dest + p.numel) - pos
             a = p.offset + pos - p.dest
-            reader.read(self._arrays[p.array], a, a + take, out[pos - lo:pos - lo + take])
+            reader.read(self._array(p.array), a, a + take, out[pos - lo:pos - lo + take])
             pos += take
         if pos < hi:
-            raise InspectError(f"{name}/{state}: elements [{pos}, {hi}) are outside the tensor")
+            m = self.manifest
+            where = ("outside the tensor" if m.all_ranks or not m.has_tensor_table else
+                     f"held by other ranks (this store holds rank {m.ranks[0]} of {m.world_size})")
+            raise InspectError(f"{name}/{state}: elements [{pos}, {hi}) are {where}")
 
     def scan(self, keys: Sequence[tuple[str, str]], visit: Visit, progress: Progress | None = None,
              window_bytes: int | None = None, workers: int = 1) -> int:
@@ -184,14 +245,15 @@ class ZarrSource(InspectSource):
         ``workers`` > 1, ``visit`` runs on that many threads at once (it must be
         thread-safe) while the next windows are read."""
         segments: dict[str, list[tuple[int, int, int]]] = {}
+        placements = self.placements()
         for k, key in enumerate(keys):
-            for p in self.manifest.placements[key]:
+            for p in placements[key]:
                 if p.numel:
                     segments.setdefault(p.array, []).append((p.offset, p.offset + p.numel, k))
         plan = []
         for name in sorted(segments):
             segs = sorted(segments[name])
-            array = self._arrays[name]
+            array = self._array(name)
             chunks = sorted({c for lo, hi, _ in segs
                              for c in range(array.chunk_of(lo), array.chunk_of(hi - 1) + 1)})
             plan.append((array, segs, chunks))
