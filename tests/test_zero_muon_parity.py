@@ -39,7 +39,9 @@ CASES = [
 def store_config(kind: str, path: str) -> dict:
     if kind == "cpu":
         return {"default_home": "cpu", "bucket_bytes": KiB, "cpu_budget": 64 * KiB}
-    cfg = {"nvme_paths": [path], "bucket_bytes": KiB, "cpu_budget": 4 * KiB,
+    # 5 buckets: an amsgrad AdamW row (3) while a momentum bucket two Muon chunks share is
+    # kept (1), plus a spare; the state is 10-12 buckets, so most of it is evicted each step
+    cfg = {"nvme_paths": [path], "bucket_bytes": KiB, "cpu_budget": 5 * KiB,
            "prefetch_depth": 1, "acquire_timeout_s": 20, "io_threads": 2}
     if kind == "nvme_fixed_order":
         cfg["alternate_order"] = False

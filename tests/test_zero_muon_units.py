@@ -143,8 +143,15 @@ def test_owners_are_deterministic_and_balanced():
     assert assign_owners([[(4, 4)] * 3], 1) == [[0, 0, 0]]
 
 
-def test_layout_chunks_own_whole_buckets_and_cover_every_element():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_layout_packs_state_without_gaps_and_covers_every_element(mixed):
+    """Each array is its chunks' states back to back: every element belongs to exactly one
+    parameter, a parameter's state is contiguous at ``starts + offsets``, and a row's
+    segments sit at the same place in every array of the chunk. Padding appears only where
+    a chunk's arrays disagree on the position inside a bucket (``mixed``: masters for some
+    parameters, amsgrad for some), less than one bucket per array each time."""
     world, bucket = 3, 4096
+    be = bucket // 4
     infos = []
     for i, (name, shape) in enumerate(MIXED_SHAPES.items()):
         p = torch.empty(shape)
@@ -154,23 +161,79 @@ def test_layout_chunks_own_whole_buckets_and_cover_every_element():
         info.rows_per_rank = [len(c) for c in torch.arange(shape[0]).chunk(world)] + [0] * world
         info.rows_per_rank = info.rows_per_rank[:world]
         infos.append(info)
+    master_for = (lambda i: i.name not in ("w_big", "bias")) if mixed else (lambda i: False)
+    amsgrad_of = (lambda i: i.name == "bias") if mixed else (lambda i: False)
     for rank in range(world):
-        lay = build_layout(infos, rank, bucket, master_for=lambda i: False,
-                           state_dtype_of=lambda i: torch.float32, amsgrad_of=lambda i: False)
-        seen_buckets = set()
+        lay = build_layout(infos, rank, bucket, master_for=master_for,
+                           state_dtype_of=lambda i: torch.float32, amsgrad_of=amsgrad_of)
+        owner = {name: [None] * numel for name, (_, numel) in lay.arrays.items()}
+        users: dict = {}
         for c in lay.chunks:
-            for row in c.rows:
-                for key in row.buckets.items():
-                    assert key not in seen_buckets     # no bucket shared by two chunks
-                    seen_buckets.add(key)
+            assert len({c.starts[n] % be for n in c.starts}) <= 1
             for p in c.params:
+                for n in c.arrays:
+                    lo = c.starts[n] + c.offsets[p]
+                    for e in range(lo, lo + c.sizes[p]):
+                        assert owner[n][e] is None
+                        owner[n][e] = p
                 covered = sorted((s.lo, s.hi) for _, s in lay.param_pieces(p))
-                n = infos[p].local_numel(rank)
-                assert sum(hi - lo for lo, hi in covered) == n
+                assert sum(hi - lo for lo, hi in covered) == c.sizes[p] == infos[p].local_numel(rank)
                 assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-            assert all(s.offset + s.hi - s.lo <= bucket // 4 for r in c.rows for s in r.segments)
+            for row in c.rows:
+                for seg in row.segments:
+                    assert seg.offset + seg.hi - seg.lo <= be
+                    for n, b in row.buckets.items():   # the same place in every array
+                        assert b * be + seg.offset == c.starts[n] + c.offsets[seg.param] + seg.lo
+                for key in row.buckets.items():
+                    users.setdefault(key, set()).add(c.index)
+        # no gaps but the alignment padding, and that is under a bucket per array and change
+        for n, o in owner.items():
+            assert o.count(None) == lay.padding.get(n, 0) < 3 * be
+        if not mixed:
+            assert lay.padding == {} and lay.padding_bytes() == 0
+        # a bucket shared by chunks is used by each of their rows in it, once per step
+        uses = lay.uses()
+        assert all(uses[k] >= len(u) for k, u in users.items())
+        assert sorted(lay.step_order(False)) == sorted(lay.step_order(True)) == sorted(users)
         kinds = [c.kind for c in lay.chunks]
         assert set(kinds) == {"muon", "adamw"}
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_step_store_calls_are_the_ones_the_planner_replays(master):
+    """The acquire/release sequence of real steps (both walking directions) is
+    ``step_events``' (what plan/step_sim replays), shared buckets stay acquired from first to
+    last use, and the store's schedule is each direction's order of first use."""
+    from offload_engine.optim.step_events import step_events
+    model, ref = make_pair(MIXED_SHAPES, None)
+    if master:
+        model.to(torch.bfloat16)
+    store = {"default_home": "cpu", "bucket_bytes": 4096, "cpu_budget": 64 * 4096}
+    with ZeroMuon(model.named_parameters(), lr=0.02, master_weights=master, store=store,
+                  adamw={"amsgrad": True}) as opt:
+        lay = opt.layout
+        assert any(n > 1 for n in lay.uses().values()), "the case should share a bucket"
+        calls = []
+        acquire, release = opt.store.acquire, opt.store.release
+
+        def rec_acquire(name, rng, device="cpu"):
+            h = acquire(name, rng, device)
+            calls.append(("acquire", (name.split("/", 1)[1], rng)))
+            return h
+
+        def rec_release(h, dirty=False):
+            calls.append(("release", (h.array.split("/", 1)[1], h._bucket.index)))
+            release(h, dirty)
+
+        opt.store.acquire, opt.store.release = rec_acquire, rec_release
+        for step in range(2):
+            set_grads(model, ref, step, 0, 1)
+            calls.clear()
+            opt.step()
+            assert calls == step_events(lay, reverse=step == 1), step
+            assert opt.store._schedule.order == opt._orders[step == 1]
+            first = list(dict.fromkeys(k for kind, k in calls if kind == "acquire"))
+            assert first == lay.step_order(step == 1)
 
 
 # -- store handling ------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ the exchange of one chunk overlaps the compute of others, and advances one stage
 each AdamW chunk (elementwise, no communication) so that work fills exchange time too.
 Every rank issues its collectives in the same order: stages advance at points that depend
 only on the chunk sequence, never on timing.
+
+A bucket that several rows use (a chunk's first or last bucket may hold its neighbours'
+state) goes back to the store only when the last of them is done (``step_events.Leases``),
+so it is read and written once per step. ``step_events.step_events`` lists the store calls
+this module makes; the planner replays them.
 """
 
 from __future__ import annotations
@@ -29,16 +34,16 @@ from .adamw_math import adamw_update_
 from .groups import scalar
 from .muon_math import adjusted_lr, apply_update_, momentum_update_, nesterov_input
 from .state_layout import EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MOMENTUM
-
-SLOTS = 3
+from .step_events import SLOTS, Leases
 
 
 class StepContext:
     """What one step needs that changes from step to step."""
 
     def __init__(self, reverse: bool, active: set[int], fresh: set[int], params_flat: dict,
-                 grads_flat: dict, steps: dict):
+                 grads_flat: dict, steps: dict, leases: Leases):
         self.reverse = reverse
+        self.leases = leases          # shared buckets: released when their last row is done
         self.active = active          # parameters with a gradient
         self.fresh = fresh            # active and never stepped: masters start from the parameter
         self.params_flat = params_flat
@@ -64,6 +69,12 @@ class StepRunner:
             names = names[::-1]
         o = self.o
         return {n: o.store.acquire(o.array_name(n), row.buckets[n], device=o.device) for n in names}
+
+    def _release(self, ctx, row, name, handle, dirty: bool) -> None:
+        """This row is done with ``name``'s bucket (``handle`` None: it skipped it)."""
+        item = None if handle is None else (handle, dirty)
+        for h, d in ctx.leases.done((name, row.buckets[name]), item):
+            self.o.store.release(h, dirty=d)
 
     def _grad(self, ctx, seg, master: bool):
         g = ctx.grads_flat[seg.param][seg.lo:seg.hi]
@@ -104,7 +115,7 @@ class StepRunner:
                 send[start:start + n].copy_(u)
                 if has_master:
                     self._master_seg(handles[MASTER], seg, ctx)  # first step: start from the param
-            o.store.release(handles[mom], dirty=touched)
+            self._release(ctx, row, mom, handles[mom], touched)
             if has_master:
                 held.append((row, handles[MASTER], touched))
         return held
@@ -154,7 +165,7 @@ class StepRunner:
                 if mh is not None:
                     p.copy_(target)
             if mh is not None:
-                o.store.release(mh[0], dirty=mh[1])
+                self._release(ctx, row, MASTER, mh[0], mh[1])
 
     # -- AdamW -----------------------------------------------------------------------------------
     def adamw_chunk(self, chunk, ctx) -> None:
@@ -165,6 +176,8 @@ class StepRunner:
                  for k in (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ)}
         for row in self._rows(chunk, ctx):
             if not any(s.param in ctx.active for s in row.segments):
+                for n in row.buckets:
+                    self._release(ctx, row, n, None, False)
                 continue
             handles = self._acquire_row(row, ctx)
             for seg in row.segments:
@@ -185,8 +198,8 @@ class StepRunner:
                               amsgrad=g["amsgrad"], maximize=g["maximize"])
                 if has_master:
                     p.copy_(target)
-            for h in handles.values():
-                o.store.release(h, dirty=True)
+            for n, h in handles.items():
+                self._release(ctx, row, n, h, True)
 
 
 class MuonPipeline:

@@ -14,11 +14,34 @@ all_to_all. Chunks are the same on every rank (built from every rank's row count
 the ranks walk them in the same order. AdamW chunks are spread evenly between Muon chunks
 so that elementwise work overlaps the exchanges.
 
-In every array a chunk uses, its state starts at a bucket boundary and is packed the same
-way: a parameter's local shard is a contiguous element range at the same offset in each
-of the chunk's arrays. A chunk therefore owns whole buckets (read once, written once per
-step, never shared with another chunk), and bucket ``j`` of a chunk (a **row**) lines up
-across its arrays. A row's **segments** are the pieces of parameters inside it.
+**Packing.** Each array is the chunks' local states back to back, with no gap: a chunk
+starts where the previous chunk using that array ends, wherever that falls in a bucket.
+So every bucket is full of state (only an array's last bucket is short), and a step moves
+``state_bytes()`` = the state itself, not bucket padding. A parameter's local shard is the
+contiguous elements ``[starts[array] + offsets[param], + sizes[param])`` of each array of
+its chunk.
+
+In all arrays of one chunk the state starts at the same position *inside* a bucket (the
+arrays of a chunk have one element size: fp32 state with masters, else the state's dtype),
+so bucket ``j`` of a chunk (a **row**) lines up across its arrays and a row's
+**segments** (the pieces of parameters inside it) have one offset in every array. Chunks
+with the same arrays keep this alignment by construction (all their arrays advance by the
+same amount). Where a chunk's arrays disagree (the ``master`` array is shared by Muon and
+AdamW chunks, ``muon_momentum`` by fp32 parameters without masters and bf16 ones with), all
+its arrays are moved to the next bucket boundary first: padding of less than one bucket per
+array, only at such a change of kind (``Layout.padding`` counts it; none without master
+weights or mixed amsgrad).
+
+**Shared buckets.** A chunk's first and last buckets may hold the neighbouring chunks'
+state too, so a bucket can be used by two (or more) rows of one step. The step keeps such a
+bucket acquired from its first use to its last (``step_events.Leases``): it is read once
+and written once per step, like any other. The store's schedule lists it once, at its first
+use in the step's walking direction (``step_order``).
+
+**Short tails.** An array's last bucket is usually shorter than a bucket. When the pinned
+pool has room for them beyond the step's working set, ZeroMuon keeps these buckets of the
+NVMe-homed arrays acquired for its whole life (``short_tails``, ``step_events.kept_tails``;
+written by ``flush``/``close``), so every bucket the store evicts and reads is a full one.
 """
 
 from __future__ import annotations
@@ -66,10 +89,44 @@ class Layout:
     chunks: list[Chunk]
     arrays: dict[str, tuple[torch.dtype, int]]   # name -> (dtype, numel)
     param_chunk: dict[int, int]                  # param -> chunk index
+    padding: dict[str, int] = field(default_factory=dict)  # name -> elements that hold no state
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def walk(self, reverse: bool = False) -> list[tuple[Chunk, Row, list[str]]]:
+        """(chunk, row, array names in acquire order) in the order a step acquires rows."""
+        out = []
+        for c in (self.chunks[::-1] if reverse else self.chunks):
+            for row in (c.rows[::-1] if reverse else c.rows):
+                names = list(row.buckets)
+                out.append((c, row, names[::-1] if reverse else names))
+        return out
+
+    def step_order(self, reverse: bool = False) -> list[tuple[str, int]]:
+        """(array, bucket) in the order of first use in a step walking forward or reversed:
+        the store's schedule for that step (each bucket once)."""
+        key = ("order", reverse)
+        if key not in self._cache:
+            seen: dict[tuple[str, int], None] = {}
+            for _, row, names in self.walk(reverse):
+                for n in names:
+                    seen.setdefault((n, row.buckets[n]), None)
+            self._cache[key] = list(seen)
+        return self._cache[key]
 
     def forward_order(self) -> list[tuple[str, int]]:
-        """(array, bucket) in the order a forward step touches them."""
-        return [(name, b) for c in self.chunks for row in c.rows for name, b in row.buckets.items()]
+        """(array, bucket) in the order a forward step first touches them."""
+        return self.step_order(False)
+
+    def uses(self) -> dict[tuple[str, int], int]:
+        """(array, bucket) -> rows that use it in one step (more than 1: a shared bucket)."""
+        if "uses" not in self._cache:
+            uses: dict[tuple[str, int], int] = {}
+            for c in self.chunks:
+                for row in c.rows:
+                    for n, b in row.buckets.items():
+                        uses[(n, b)] = uses.get((n, b), 0) + 1
+            self._cache["uses"] = uses
+        return self._cache["uses"]
 
     def state_bytes(self) -> int:
         """Bytes of all buckets of all arrays (what one pass over the state moves)."""
@@ -77,6 +134,20 @@ class Layout:
         for dtype, numel in self.arrays.values():
             total += numel * _itemsize(dtype)
         return total
+
+    def padding_bytes(self) -> int:
+        """Bytes of the arrays that hold no state (alignment where a chunk's arrays disagree)."""
+        return sum(n * _itemsize(self.arrays[name][0]) for name, n in self.padding.items())
+
+    def short_tails(self) -> list[tuple[str, int]]:
+        """(array, last bucket) of every array whose last bucket is shorter than a bucket.
+        ZeroMuon may keep them acquired for its lifetime (``step_events.kept_tails``)."""
+        out = []
+        for name, (dtype, numel) in self.arrays.items():
+            be = self.bucket_bytes // _itemsize(dtype)
+            if numel % be:
+                out.append((name, numel // be))
+        return out
 
     def param_pieces(self, index: int) -> list[tuple[int, Segment]]:
         """(row position in its chunk, segment) for every piece of parameter ``index``."""
@@ -131,25 +202,39 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
             cur, cur_max = [info], sizes
         if cur:
             chunks.append(_chunk(len(chunks), kind, cur, distributed, dtype, amsgrad, master, rank))
+    # pack each array: chunks back to back, in chunk order within each kind
+    arrays: dict[str, tuple[torch.dtype, int]] = {}
+    cursors: dict[str, int] = {}
+    padding: dict[str, int] = {}
+    for c in per_kind["muon"] + per_kind["adamw"]:
+        if c.local_numel == 0:
+            continue
+        sizes = {_itemsize(_array_dtype(c, n)) for n in c.arrays}
+        if len(sizes) != 1:
+            raise AssertionError(f"arrays {c.arrays} of one chunk differ in element size")
+        be = bucket_bytes // sizes.pop()
+        if len({cursors.get(n, 0) % be for n in c.arrays}) > 1:
+            # the arrays disagree on the position inside a bucket: start them all on a boundary
+            for n in c.arrays:
+                cur = cursors.get(n, 0)
+                aligned = -(-cur // be) * be
+                if aligned != cur:
+                    padding[n] = padding.get(n, 0) + aligned - cur
+                    cursors[n] = aligned
+        for n in c.arrays:
+            c.starts[n] = cursors.get(n, 0)
+            cursors[n] = c.starts[n] + c.local_numel
+            arrays[n] = (_array_dtype(c, n), cursors[n])
+        _cut_rows(c, be)
     chunks = _interleave(per_kind["muon"], per_kind["adamw"])
     for i, c in enumerate(chunks):
         c.index = i
+    return Layout(bucket_bytes, chunks, arrays, {p: c.index for c in chunks for p in c.params},
+                  {n: k for n, k in padding.items() if n in arrays})
 
-    arrays: dict[str, tuple[torch.dtype, int]] = {}
-    cursors: dict[str, int] = {}
-    for c in chunks:
-        for name in c.arrays:
-            dtype = torch.float32 if name == MASTER else c.state_dtype
-            be = bucket_bytes // _itemsize(dtype)
-            if c.local_numel == 0:
-                continue
-            start = -(-cursors.get(name, 0) // be) * be
-            c.starts[name] = start
-            cursors[name] = start + c.local_numel
-            arrays[name] = (dtype, cursors[name])
-        _cut_rows(c, bucket_bytes)
-    return Layout(bucket_bytes, chunks, arrays,
-                  {p: c.index for c in chunks for p in c.params})
+
+def _array_dtype(c: "Chunk", name: str) -> torch.dtype:
+    return torch.float32 if name == MASTER else c.state_dtype
 
 
 def _interleave(muon: list[Chunk], adamw: list[Chunk]) -> list[Chunk]:
@@ -171,16 +256,16 @@ def _chunk(index, kind, infos, distributed, dtype, amsgrad, master, rank) -> Chu
     return c
 
 
-def _cut_rows(c: Chunk, bucket_bytes: int) -> None:
-    if c.local_numel == 0:
-        return
-    be = bucket_bytes // _itemsize(c.state_dtype)
-    # a master array is fp32; with master weights the state is fp32 too, so rows line up
-    nrows = -(-c.local_numel // be)
+def _cut_rows(c: Chunk, be: int) -> None:
+    """Rows: the buckets the chunk's elements fall in (the same positions in every array)."""
+    first = c.arrays[0]
+    r = c.starts[first] % be                     # where the chunk starts inside its first bucket
+    base = {n: c.starts[n] // be for n in c.arrays}
+    nrows = -(-(r + c.local_numel) // be)
     for j in range(nrows):
-        c.rows.append(Row({name: c.starts[name] // be + j for name in c.arrays}, []))
+        c.rows.append(Row({n: base[n] + j for n in c.arrays}, []))
     for p in c.params:
-        off, n = c.offsets[p], c.sizes[p]
+        off, n = r + c.offsets[p], c.sizes[p]
         lo = 0
         while lo < n:
             j = (off + lo) // be

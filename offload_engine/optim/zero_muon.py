@@ -8,7 +8,7 @@ Nesterov input travels as bf16 to one owner rank, which runs Newton-Schulz, and 
 travels back (two all_to_alls per chunk; momentum is never gathered). Results equal
 torch.optim.Muon / torch.optim.AdamW run on the unsharded model, bit for bit, on CPU.
 
-See docs/optim.md.
+See docs/optimizer.md.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from .muon_math import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, N
 from .owners import assign_owners
 from .param_rules import default_use_muon
 from .pipeline import SLOTS, MuonPipeline, StepContext, StepRunner
+from .step_events import Leases, kept_tails, working_buckets
 from .sharding import ParamInfo, describe, flat_local, is_dtensor, local_tensor, process_group_of
 from .state_io import load_state, read_state
-from .state_layout import MASTER, build_layout
+from .state_layout import build_layout
 from .stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ class ZeroMuon(torch.optim.Optimizer):
                                  for s in r.segments), default=0)
         self._scratch: dict = {}
         self._initialized: set[int] = set()
-        self._forward = self.layout.forward_order()
+        self._orders = {rev: [(self.array_name(n), b) for n, b in self.layout.step_order(rev)]
+                        for rev in (False, True)}
         self._store_steps = 0
         self._order_warned = False
         self._runner = StepRunner(self)
@@ -177,6 +179,7 @@ class ZeroMuon(torch.optim.Optimizer):
                                  f"(at least {staging} bytes to stage the buckets a step holds)")
             cfg = StoreConfig.load({**cfg.model_dump(), "gpu_budget": staging})
         self._own_store = not isinstance(store, TieredStore)
+        self._pinned: list = []
         if self._own_store:
             for p in cfg.nvme_paths:
                 for name in self.layout.arrays:
@@ -188,23 +191,29 @@ class ZeroMuon(torch.optim.Optimizer):
         else:
             self.store = store
         try:
-            self._check_budget(cfg, needed)
+            spare = self._check_budget(cfg, needed)
+            homes = {}
             for name, (dtype, numel) in self.layout.arrays.items():
-                self.store.register(self.array_name(name), dtype, numel)
-            self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.forward_order()])
+                homes[name] = self.store.register(self.array_name(name), dtype, numel).home
+            # short last buckets of NVMe arrays stay acquired when the pool has room for them
+            for n, b in kept_tails(self.layout, homes, spare):
+                self._pinned.append(self.store.acquire(self.array_name(n), b, device="cpu"))
+            self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.step_order(False)])
             if self.store.root is not None:
                 tensors, shards = store_manifest(self)
                 write_shard_table(self.store.root, self.rank, shards)  # before the table naming it
                 self.store.update_manifest(tensors)
         except Exception:
+            self._release_pinned()
             if self._own_store:
                 self.store.close()
             raise
 
-    def _check_budget(self, cfg: StoreConfig, total: int) -> None:
+    def _check_budget(self, cfg: StoreConfig, total: int) -> int:
+        """Raise if the pool cannot hold what a step needs; return the bytes left over."""
         homes = {n: cfg.homes.get(self.array_name(n), cfg.default_home) for n in self.layout.arrays}
         if "auto" in homes.values():
-            return  # the store decides; it keeps working room itself
+            return 0  # the store decides; it keeps working room itself
         pinned = sum(-(-nb // 4096) * 4096 for n, (dt, k) in self.layout.arrays.items()
                      if homes[n] == "cpu" for nb in _bucket_bytes(k, dt, cfg.bucket_bytes))
         work = 0
@@ -214,13 +223,13 @@ class ZeroMuon(torch.optim.Optimizer):
             raise ValueError(f"store cpu_budget {cfg.cpu_budget} bytes is too small: the state "
                              f"homed on cpu needs {pinned} bytes and the step's working set on "
                              f"nvme about {work} more ({total} bytes of state in all)")
+        return cfg.cpu_budget - pinned - work
 
     def _working_buckets(self, cfg: StoreConfig) -> int:
-        """Most buckets a step holds at once, plus one spare: a Muon chunk's momentum bucket
-        while the masters of three chunks in flight are held, or one AdamW row (2-4 arrays)."""
-        masters = [len(c.rows) for c in self.layout.chunks if c.kind == "muon" and MASTER in c.arrays]
-        per_row = max((len(c.arrays) for c in self.layout.chunks), default=0)
-        return max(SLOTS * max(masters, default=0) + 1, per_row) + 1
+        """Most buckets a step holds at once, plus one spare (``step_events.working_buckets``):
+        e.g. a Muon chunk's momentum bucket while the masters of three chunks in flight are
+        held, or one AdamW row (2-4 arrays), with the shared buckets kept between uses."""
+        return working_buckets(self.layout)
 
     def array_name(self, name: str) -> str:
         return self.prefix + name
@@ -244,8 +253,12 @@ class ZeroMuon(torch.optim.Optimizer):
         t0 = time.perf_counter()
         self.exchange.reset_counters()
         ns_before = self.ns.calls
-        order = self.store.begin_step()
         reverse = self.store.config.alternate_order and self._store_steps % 2 == 1
+        if self.store.config.alternate_order:
+            # this step's order of first use; a shared bucket's first use moves with the
+            # direction, so the store is told each step instead of reversing on its own
+            self.store.set_schedule(self._orders[reverse])
+        order = self.store.begin_step()
         self._store_steps += 1
         self._check_order(order, reverse)
 
@@ -266,7 +279,8 @@ class ZeroMuon(torch.optim.Optimizer):
                     st["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
                 st["step"] += 1
                 steps[info.index] = float(st["step"])
-        ctx = StepContext(reverse, active, active - self._initialized, params_flat, grads_flat, steps)
+        ctx = StepContext(reverse, active, active - self._initialized, params_flat, grads_flat, steps,
+                          Leases(self.layout.uses()))
         pipe = MuonPipeline(self._runner, ctx)
         chunks = self.layout.chunks[::-1] if reverse else self.layout.chunks
         for chunk in chunks:
@@ -276,6 +290,7 @@ class ZeroMuon(torch.optim.Optimizer):
                 self._runner.adamw_chunk(chunk, ctx)
                 pipe.advance()
         pipe.drain()
+        assert ctx.leases.pending() == 0, "a shared bucket was not released"
         self._initialized |= active
 
         st = self.store.stats(reset=True)
@@ -294,8 +309,7 @@ class ZeroMuon(torch.optim.Optimizer):
     def _check_order(self, order, reverse: bool) -> None:
         if order is None or self._order_warned:
             return
-        expected = [(self.array_name(n), b) for n, b in (self._forward[::-1] if reverse else self._forward)]
-        if list(order) != expected:
+        if list(order) != self._orders[reverse]:
             self._order_warned = True
             log.warning("the store's bucket order is not the optimizer's (another user of the "
                         "store?): prefetching will miss; results are unaffected")
@@ -314,8 +328,15 @@ class ZeroMuon(torch.optim.Optimizer):
         load_state(self, state_dict)
 
     # -- lifetime ----------------------------------------------------------------------------------
+    def _release_pinned(self) -> None:
+        for h in getattr(self, "_pinned", []):
+            self.store.release(h)
+        self._pinned = []
+
     def close(self) -> None:
         """Flush and close the store this optimizer opened (a store passed in stays open)."""
+        if getattr(self, "store", None) is not None:
+            self._release_pinned()
         if getattr(self, "_own_store", False) and self.store is not None:
             if self.store.root is not None:
                 self.store.update_manifest({"step": self._steps_done})

@@ -9,8 +9,8 @@ one homed on ``nvme`` is cached there a bucket at a time. So the choice is:
   (ZeroMuon's own sizing when it is given no store);
 - ``nvme`` otherwise: ``cpu_budget`` is what a rank can pin, rounded down to whole buckets
   and capped at the state plus its working room; it must hold ZeroMuon's working set
-  (``(SLOTS * master rows of a Muon chunk + 4 + prefetch_depth)`` buckets, the optimizer's
-  own check);
+  (``optim.step_events.working_buckets``: the most buckets a step holds at once plus one,
+  the optimizer's own check);
 - on a CUDA device, ``gpu_budget`` is the staging arena ZeroMuon's acquires need (the same
   number of buckets, as ZeroMuon sizes it when it opens the store itself).
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..io.align import round_up
-from ..optim.pipeline import SLOTS
-from ..optim.state_layout import MASTER
+from ..optim.step_events import working_buckets as _working_buckets
 from .memory import RankState
 
 GiB = 1 << 30
@@ -53,13 +52,12 @@ def needed_pinned(st: RankState) -> int:
 
 
 def working_buckets(layout) -> int:
-    """Most buckets a ZeroMuon step holds at once, plus one spare (ZeroMuon's own bound):
-    a Muon chunk's momentum bucket while the masters of ``SLOTS`` chunks in flight are
-    held, or one AdamW row (2-4 arrays). ZeroMuon refuses a pool smaller than this (with
-    state on NVMe) and sizes its CUDA staging arena by it."""
-    masters = [len(c.rows) for c in layout.chunks if c.kind == "muon" and MASTER in c.arrays]
-    per_row = max((len(c.arrays) for c in layout.chunks), default=0)
-    return max(SLOTS * max(masters, default=0) + 1, per_row) + 1
+    """Most buckets a ZeroMuon step holds at once, plus one spare (ZeroMuon's own bound,
+    found by replaying the step's store calls): e.g. a Muon chunk's momentum bucket while
+    the masters of the chunks in flight are held, or one AdamW row (2-4 arrays), with
+    buckets shared by two chunks kept between their uses. ZeroMuon refuses a pool smaller
+    than this (with state on NVMe) and sizes its CUDA staging arena by it."""
+    return _working_buckets(layout)
 
 
 def working_set(st: RankState, bucket_bytes: int, prefetch_depth: int = 0) -> int:

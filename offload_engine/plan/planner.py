@@ -377,9 +377,9 @@ def _notes(doc, place: Placement, machine: Machine, opts: PlanOptions, workload)
     st = doc["per_rank"]["state"]
     if st["logical_bytes"] and st["padding_bytes"] > 0.05 * st["logical_bytes"]:
         notes.append(f"bucket padding: {st['padding_bytes']} B of the {st['bytes']} B of state "
-                     f"per rank ({100 * st['padding_bytes'] / st['bytes']:.0f}%) are padding (each "
-                     "optimizer chunk starts on a bucket boundary) and are stored and moved too; "
-                     "another --bucket-bytes may pad less")
+                     f"per rank ({100 * st['padding_bytes'] / st['bytes']:.0f}%) are padding (where "
+                     "a chunk's arrays disagree on the position inside a bucket they start on a "
+                     "boundary) and are stored and moved too; another --bucket-bytes may pad less")
     if opts.gpu and not workload.activations:
         notes.append("activations are not modelled: the GPU figure is model state, buffers and "
                      "the store's staging arena (add --activations BYTES)")

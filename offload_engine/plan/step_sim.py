@@ -2,19 +2,25 @@
 
 Which NVMe buckets are still cached when a step begins decides the step's traffic. It is
 not simply the tail of the previous step's order: ZeroMuon holds the master buckets of up
-to three Muon chunks between its pipeline stages, and a held bucket cannot be evicted, so
-buckets used while others are held are pushed out instead. This module replays, without
-data, the events ``optim/pipeline.py`` issues (per Muon chunk: acquire each row's
-momentum (+ master), release the momentum, hold the masters until the chunk's apply stage
-two chunks later; per AdamW chunk: acquire a row, release it, advance the pipeline one
+to three Muon chunks between its pipeline stages, and a bucket shared by two chunks from
+its first use to its last, and a held bucket cannot be evicted, so buckets used while
+others are held are pushed out instead. This module replays, without data, the store
+calls ``optim/pipeline.py`` makes (``optim.step_events.step_events``: per Muon chunk,
+acquire each row's momentum (+ master), release the momentum, hold the masters until the
+chunk's apply stage; per AdamW chunk, acquire a row, release it, advance the pipeline one
 stage) on a model of ``TieredStore``:
 
 - a pool of ``cpu_budget`` bytes with the store's first-fit page-aligned extents
   (``io.extents.Extents``, the class the pool itself uses);
 - prefetch of the next ``prefetch_depth`` scheduled buckets after every acquire and release,
   never evicting a bucket needed sooner than the one it fetches;
-- eviction by next use in the (alternating) schedule, a dirty victim written back first;
-- a bucket never written is zero-filled, not read.
+- eviction by next use in the schedule: ZeroMuon declares each step's order of first use
+  (``Layout.step_order``), and the store takes the next step's to be its reverse (or the
+  same order without ``alternate_order``); a dirty victim is written back first;
+- a bucket never written is zero-filled, not read;
+- the short last buckets of the NVMe arrays are acquired once, before the first step, and
+  never let go when the pool has room for them (``optim.step_events.kept_tails``, ZeroMuon's
+  own rule).
 
 I/O is taken as instantaneous, so a write-back frees its buffer at once (the store waits for
 it). ``tests/test_plan_calibration.py`` checks the result against the store's counters.
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 
 from ..io.align import ALIGN, round_up
 from ..io.extents import Extents
-from ..optim.state_layout import MASTER, MOMENTUM
+from ..optim.step_events import kept_tails, step_events, working_buckets
 
 
 @dataclass
@@ -35,70 +41,6 @@ class SimResult:
     read: list[int]       # NVMe bytes read in each simulated step
     written: list[int]    # NVMe bytes written back in each step
     resident: list[int]   # NVMe bucket bytes cached when each step began
-
-
-def step_events(layout, reverse: bool) -> list[tuple[str, tuple[str, int]]]:
-    """("acquire" | "release", (array, bucket)) in the order ZeroMuon's step issues them."""
-    ev: list = []
-    rows_of = lambda c: list(reversed(c.rows)) if reverse else c.rows
-    to_orth: list = []   # chunks whose masters are held: waiting to orthogonalize
-    to_apply: list = []
-
-    def apply_oldest():
-        chunk = to_apply.pop(0)
-        if MASTER in chunk.arrays:
-            for row in rows_of(chunk):
-                ev.append(("release", (MASTER, row.buckets[MASTER])))
-
-    def orth_oldest():
-        to_apply.append(to_orth.pop(0))
-
-    chunks = layout.chunks[::-1] if reverse else layout.chunks
-    for chunk in chunks:
-        if not chunk.rows:
-            if chunk.kind == "muon":
-                to_orth.append(chunk)
-            else:
-                _advance(to_orth, to_apply, apply_oldest, orth_oldest)
-            if chunk.kind == "muon":
-                _after_push(to_orth, to_apply, apply_oldest, orth_oldest)
-            continue
-        if chunk.kind == "muon":
-            mom = next(n for n in chunk.arrays if n.startswith(MOMENTUM))
-            for row in rows_of(chunk):
-                names = list(row.buckets)[::-1] if reverse else list(row.buckets)
-                for n in names:
-                    ev.append(("acquire", (n, row.buckets[n])))
-                ev.append(("release", (mom, row.buckets[mom])))
-            to_orth.append(chunk)
-            _after_push(to_orth, to_apply, apply_oldest, orth_oldest)
-        else:
-            for row in rows_of(chunk):
-                names = list(row.buckets)[::-1] if reverse else list(row.buckets)
-                for n in names:
-                    ev.append(("acquire", (n, row.buckets[n])))
-                for n in names:
-                    ev.append(("release", (n, row.buckets[n])))
-            _advance(to_orth, to_apply, apply_oldest, orth_oldest)
-    while to_orth:
-        orth_oldest()
-    while to_apply:
-        apply_oldest()
-    return ev
-
-
-def _after_push(to_orth, to_apply, apply_oldest, orth_oldest):
-    while len(to_orth) > 1:
-        orth_oldest()
-    while len(to_apply) > 1:
-        apply_oldest()
-
-
-def _advance(to_orth, to_apply, apply_oldest, orth_oldest):
-    if to_apply:
-        apply_oldest()
-    elif to_orth:
-        orth_oldest()
 
 
 class _Bucket:
@@ -116,13 +58,20 @@ def simulate(layout, arrays: dict, homes: dict[str, str], cpu_budget: int, prefe
              steps: int = 5, alternate: bool = True) -> SimResult:
     """NVMe bytes read and written in each of ``steps`` optimizer steps (the first one
     zero-fills). ``arrays``: name -> ArrayPlan; ``homes``: name -> "cpu" | "nvme"."""
-    order = layout.forward_order()
+    orders = {rev: layout.step_order(rev) for rev in (False, True)}
     sizes = {name: a.buckets() for name, a in arrays.items()}
     buckets = {}
-    for name, b in order:
+    for name, b in orders[False]:
         buckets[(name, b)] = _Bucket((name, b), sizes[name][b], homes.get(name, "nvme"))
-    n = len(order)
+    n = len(orders[False])
     pool = Extents(round_up(cpu_budget))
+    nvme = any(b.home == "nvme" for b in buckets.values())
+    spare = (cpu_budget - sum(a.pinned_bytes for n, a in arrays.items() if homes.get(n) == "cpu")
+             - (working_buckets(layout) * layout.bucket_bytes if nvme else 0))
+    for key in kept_tails(layout, {n: homes.get(n, "nvme") for n in arrays}, spare):
+        b = buckets[key]       # ZeroMuon acquires these at construction and keeps them
+        b.offset = pool.take(b.need)
+        b.refs = 1
     events = {False: step_events(layout, False), True: step_events(layout, True)}
     res = SimResult([], [], [])
     # victims: used this step (by next-step position) beat unused ones (by this-step position)
@@ -132,8 +81,8 @@ def simulate(layout, arrays: dict, homes: dict[str, str], cpu_budget: int, prefe
 
     for step in range(steps):
         reverse = alternate and step % 2 == 1
-        cur = order[::-1] if reverse else order
-        nxt = order[::-1] if (alternate and (step + 1) % 2 == 1) else order
+        cur = orders[reverse]
+        nxt = cur[::-1] if alternate else cur
         pos_cur = {k: i for i, k in enumerate(cur)}
         pos_nxt = {k: i for i, k in enumerate(nxt)}
         for b in buckets.values():
