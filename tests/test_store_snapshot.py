@@ -24,12 +24,39 @@ def test_snapshot_copies_the_state_of_its_moment_while_a_step_runs(tmp_path):
         snap = s.snapshot(slow_sink)
         run_steps(s, "m", 1)                      # changes every bucket to 3
         snap.wait(30)
-        assert snap.copied == 12 + 1 and snap.copied_inline > 0
+        assert snap.copied == 12 + 1              # (how many were copied inline: timing)
         for i in range(12):
             assert bool((copies[("m", i)] == 2).all()), f"bucket {i} copied after a change"
         h = s.acquire("m", 0)
         assert float(h.tensor[0]) == 3.0           # the store itself moved on
         s.release(h)
+
+
+def test_an_acquire_copies_a_pending_bucket_before_handing_it_out(tmp_path):
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 4 * B // 4)
+        run_steps(s, "m", 1)                      # every element is 1
+        worker_busy, release_worker = threading.Event(), threading.Event()
+        copies, held = {}, []
+
+        def sink(array, index, start, tensor):
+            if threading.current_thread().name == "oe-snapshot" and not release_worker.is_set():
+                held.append(index)
+                worker_busy.set()
+                release_worker.wait(30)            # hold the background thread on its first bucket
+            copies[index] = (threading.current_thread().name, tensor.clone())
+
+        snap = s.snapshot(sink)
+        assert worker_busy.wait(30)
+        other = next(i for i in range(4) if i not in held)  # not the one the worker holds
+        h = s.acquire("m", other)                  # not copied yet: copied here, first
+        assert copies[other][0] != "oe-snapshot" and bool((copies[other][1] == 1).all())
+        h.tensor.fill_(7)
+        s.release(h, dirty=True)
+        release_worker.set()
+        snap.wait(30)
+        assert snap.copied == 4 and snap.copied_inline >= 1
+        assert all(bool((t == 1).all()) for _, t in copies.values())
 
 
 def test_sink_errors_surface_in_wait(tmp_path):
