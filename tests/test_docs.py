@@ -13,7 +13,7 @@ def python_blocks(name):
         return re.findall(r"```python\n(.*?)```", f.read(), re.S)
 
 
-@pytest.mark.parametrize("doc", ["store.md", "optim.md", "checkpoint.md"])
+@pytest.mark.parametrize("doc", ["store.md", "optimizer.md", "checkpoint.md"])
 def test_python_examples_run(doc, capsys):
     blocks = python_blocks(doc)
     assert blocks, f"{doc} has no python example"
