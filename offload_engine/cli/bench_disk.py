@@ -33,7 +33,8 @@ import numpy as np
 from ..io import AsyncFileIO, BufferPool
 from ..io.page_cache import evict_and_check
 from ..plan import disk_profile
-from ..units import format_bytes, parse_bytes
+from .args import aligned_size, positive_int
+from ..units import format_bytes
 
 MiB = 1 << 20
 FULL = {"block_sizes": [1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB], "queue_depths": [1, 4, 8, 16, 32],
@@ -59,7 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "made in it and removed)")
     p.add_argument("--quick", action="store_true",
                    help="fewer points (block 1,8 MiB x depth 1,4,16) on a 64 MiB file, one run")
-    p.add_argument("--size", type=_size, default=None,
+    p.add_argument("--size", type=aligned_size, default=None,
                    help="bytes of the test file (default 256MiB, 64MiB with --quick)")
     p.add_argument("--block-sizes", type=_size_list, default=None, metavar="LIST",
                    help="comma-separated block sizes (default 1MiB,4MiB,8MiB,16MiB)")
@@ -67,9 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated queue depths (default 1,4,8,16,32)")
     p.add_argument("--threads", type=_int_list, default=None, metavar="LIST",
                    help="comma-separated I/O thread counts (default: equal to the queue depth)")
-    p.add_argument("--request-size", type=_size, default=64 * MiB,
+    p.add_argument("--request-size", type=aligned_size, default=64 * MiB,
                    help="bytes per request, like one store bucket (default 64MiB)")
-    p.add_argument("--repeats", type=_positive, default=None,
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help="runs per point, median kept (default 2, 1 with --quick)")
     p.add_argument("--no-cache", action="store_true", help="do not save the result")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -77,32 +78,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _size(text: str) -> int:
-    try:
-        n = parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0 or n % 4096:
-        raise argparse.ArgumentTypeError(f"{text}: must be a positive multiple of 4096 bytes")
-    return n
-
 
 def _size_list(text: str) -> list[int]:
-    return [_size(t) for t in text.split(",") if t.strip()]
+    return [aligned_size(t) for t in text.split(",") if t.strip()]
 
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
-    return n
 
 
 def _int_list(text: str) -> list[int]:
-    return [_positive(t) for t in text.split(",") if t.strip()]
+    return [positive_int(t) for t in text.split(",") if t.strip()]
 
 
 def settings(args) -> dict:

@@ -44,6 +44,7 @@ import numpy as np
 
 from ..io import ALIGN, AsyncFileIO
 from ..layout import FlatArray
+from .args import byte_size, positive_int
 from ..units import format_bytes, parse_bytes
 from .bench_io_methods import (ITEMSIZE, BenchError, EngineBench, FioBench, ODirectLoopBench,
                                TensorstoreBench, ZarrPythonBench, fill_pattern, probe_direct)
@@ -94,15 +95,15 @@ def add_arguments(p: argparse.ArgumentParser, *, size_default: str = "2GiB",
     p.add_argument("--path", required=True, metavar="DIR",
                    help="existing directory on the disk to measure; a temporary folder is "
                         "made in it and removed afterwards")
-    p.add_argument("--size", default=parse_bytes(size_default), type=_size_arg,
+    p.add_argument("--size", default=parse_bytes(size_default), type=byte_size,
                    help=f"bytes moved per run and method (default {size_default})")
-    p.add_argument("--block-size", default=8 * MiB, type=_size_arg,
+    p.add_argument("--block-size", default=8 * MiB, type=byte_size,
                    help="bytes per I/O request, a multiple of 4096 (default 8MiB)")
-    p.add_argument("--queue-depth", default=4, type=_positive_int, metavar="N",
+    p.add_argument("--queue-depth", default=4, type=positive_int, metavar="N",
                    help="requests in flight; also the engine's I/O threads (default 4)")
-    p.add_argument("--chunk-size", default=64 * MiB, type=_size_arg,
+    p.add_argument("--chunk-size", default=64 * MiB, type=byte_size,
                    help="bytes per chunk file of the zarr array (default 64MiB)")
-    p.add_argument("--runs", default=runs_default, type=_positive_int,
+    p.add_argument("--runs", default=runs_default, type=positive_int,
                    help=f"runs per method; medians are reported (default {runs_default})")
     p.add_argument("--baseline", choices=("auto", "fio", "odirect_loop"), default="auto",
                    help="device reference: fio when installed (auto), or a plain O_DIRECT "
@@ -144,21 +145,6 @@ def _progress(args):
     return lambda line: print(line, file=sys.stderr, flush=True)
 
 
-def _size_arg(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 
+from .args import byte_size, positive_int
 from ..units import format_bytes, parse_bytes
 
 # the byte model (torch, the optimizer's code) is imported when the command runs, so that
@@ -29,17 +30,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="M",
                    help="config.json, *.safetensors, model.safetensors.index.json, a JSON list "
                         "of named shapes, or a directory holding one")
-    p.add_argument("--world-size", required=True, type=_positive, metavar="W", help="ranks (GPUs)")
-    p.add_argument("--gpus-per-node", type=_positive, default=8, metavar="N",
+    p.add_argument("--world-size", required=True, type=positive_int, metavar="W", help="ranks (GPUs)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
                    help="ranks per node (default 8; fewer if W is smaller)")
-    p.add_argument("--gpu-mem", type=_size, default=80 * 10**9, metavar="SIZE",
+    p.add_argument("--gpu-mem", type=byte_size, default=80 * 10**9, metavar="SIZE",
                    help="memory per GPU (default 80GB)")
     p.add_argument("--cpu-mem", default="auto", metavar="SIZE",
                    help="host memory per node (default auto: this machine's)")
     p.add_argument("--nvme", nargs="+", default=[], metavar="PATH",
                    help="NVMe directories of a node (state is striped over them); their free "
                         "space and the bandwidth `bench disk` cached for them are used")
-    p.add_argument("--nvme-capacity", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--nvme-capacity", type=byte_size, default=None, metavar="SIZE",
                    help="NVMe bytes free for state per node (default: free space of --nvme)")
     p.add_argument("--read-gbps", type=float, default=None, help="NVMe read GB/s per node (overrides the cache)")
     p.add_argument("--write-gbps", type=float, default=None, help="NVMe write GB/s per node (overrides the cache)")
@@ -55,14 +56,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--param-offload", action="store_true",
                    help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer "
                         "step in host memory; the GPU holds gathered units and activations")
-    p.add_argument("--bucket-bytes", type=_size, default=64 << 20, metavar="SIZE",
+    p.add_argument("--bucket-bytes", type=byte_size, default=64 << 20, metavar="SIZE",
                    help="store bucket size (default 64MiB)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="store prefetch depth (default 2)")
     p.add_argument("--home", choices=("auto", "cpu", "nvme"), default="auto",
                    help="home tier of the state (default auto: cpu when it fits, else nvme)")
-    p.add_argument("--cpu-budget", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--cpu-budget", type=byte_size, default=None, metavar="SIZE",
                    help="pinned pool per rank (default: chosen by the plan)")
-    p.add_argument("--activations", type=_size, default=0, metavar="SIZE",
+    p.add_argument("--activations", type=byte_size, default=0, metavar="SIZE",
                    help="activation bytes per GPU to add (not modelled; default 0)")
     p.add_argument("--step-time", type=float, default=None, metavar="S",
                    help="seconds per optimizer step, for drive writes per day")
@@ -71,7 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="peak dense TFLOP/s per GPU (default 989)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization (default 0.4)")
     p.add_argument("--dwpd", type=float, default=1.0, help="drive endurance rating, drive writes per day (default 1)")
-    p.add_argument("--drive-bytes", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--drive-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="NVMe drive capacity per node, for writes per day (default: the --nvme devices')")
     p.add_argument("--emit-config", default=None, metavar="FILE",
                    help="write the store config (JSON, accepted by ZeroMuon as it is)")
@@ -80,21 +81,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
-    return n
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def machine_from_args(args):
