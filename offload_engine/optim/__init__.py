@@ -1,6 +1,6 @@
 """optim/: ZeroMuon, a ZeRO-3 Muon + AdamW optimizer on FSDP2 with state in the TieredStore.
 
-See docs/optim.md. ``default_use_muon`` is the one rule that decides which parameters use
+See docs/optimizer.md. ``default_use_muon`` is the one rule that decides which parameters use
 Muon; other layers (plan, cli) reuse it. ``ZeroMuon`` and the state-dict helpers are
 imported on first use: they pull in torch.distributed, which the planner never needs.
 """
