@@ -207,7 +207,8 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
     cursors: dict[str, int] = {}
     padding: dict[str, int] = {}
     for c in per_kind["muon"] + per_kind["adamw"]:
-        if c.local_numel == 0:
+        if c.local_numel == 0:   # no rows here: no buckets, an empty range where the cursor is
+            c.starts = {n: cursors.get(n, 0) for n in c.arrays}
             continue
         sizes = {_itemsize(_array_dtype(c, n)) for n in c.arrays}
         if len(sizes) != 1:
