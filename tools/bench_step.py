@@ -1,26 +1,44 @@
 #!/usr/bin/env python3
-"""Optimizer step time and bytes of ZeroMuon against torch.optim.Muon and DeepSpeed (JSON).
+"""ZeroMuon's optimizer step with state on NVMe against the same step in memory and against
+max(I/O time at the disk's fio bandwidth, compute time), for a ~200M-parameter model on
+FSDP2 at world size 2 (JSON).
 
-A ~100M-parameter transformer-shaped model (embedding, N blocks of q/k/v/o and MLP
-matrices with norms, an output head) trains on random tokens on CPU. Configurations:
+The model is a decoder: a 32000x768 embedding and output head (AdamW, by name) and 21
+blocks of q/k/v/o and MLP matrices (Muon) with LayerNorms (AdamW): 198M parameters. W
+processes (gloo on CPU, FSDP2 ``fully_shard`` per block and at the root) each hold two
+ZeroMuon optimizers over the same parameters, with the same bucket size:
 
-- ``torch_muon_w1``: torch.optim.Muon (matrices) + torch.optim.AdamW (the rest), one
-  process, full model, state in memory: the numerical reference and the in-memory floor.
-- ``zero_muon_w{W}_nvme``: ZeroMuon on FSDP2 at world size W (gloo), state on NVMe with a
-  pinned budget smaller than the state, so every step reads and writes most of it.
-- ``zero_muon_w{W}_cpu``: the same with the state in pinned host memory (no disk).
-- ``deepspeed_zero3_muon_nvme_w{W}``: DeepSpeed ZeRO-3 with its Muon optimizer and the
-  optimizer state offloaded to NVMe (DS_ACCELERATOR=cpu), run with the interpreter given by
-  ``--deepspeed-python`` (a venv with deepspeed 0.19.8 that sees this repo's torch), when given.
+- ``nvme``: state homed on NVMe, a pinned pool of the step's working set plus room for the
+  prefetch (4 MiB buckets, 16 read ahead; a fifth of the state or less, so most of it
+  streams every step);
+- ``cpu``: state resident in pinned memory (no disk at all).
 
-Per configuration and rank, per measured step: forward+backward seconds, optimizer-step
-seconds (DeepSpeed orthogonalizes inside backward at the accumulation boundary, so compare
-``iteration_s`` as well as ``step_s``), all_to_all bytes, store bytes, and disk bytes from
-/proc/self/io (all threads of the process: an independent check, also for DeepSpeed).
-Medians over the measured steps, then over ranks where it says so.
+Each measured iteration runs forward/backward and one optimizer's step, then
+forward/backward and the other's (which goes first alternates), so both see the same
+machine load and the NVMe step's write-behind lands during a forward/backward, as in
+training. Per step and rank: wall time of ``step()``, the process's CPU seconds (all
+threads: compute and I/O threads), NVMe bytes read and written per state array (counted at
+the array's file I/O, checked against the store's counters and /proc/self/io), all_to_all
+bytes, and time blocked on I/O and communication.
 
-    python tools/bench_step.py --path /nvme/bench --world 2 --steps 4 \\
-        [--deepspeed-python /tmp/dsvenv/bin/python]
+Derived, from medians of the measured steps (slowest rank: a step is synchronous):
+
+- ``compute_s``: the in-memory step time;
+- ``io_s``: NVMe bytes all ranks moved in one step / the bandwidth fio measures in the same
+  run (50/50 read/write, O_DIRECT, the store's block size and queue depth:
+  ``tools/bench_store.fio_mixed_gbps``); the ranks share one disk;
+- ``ratio = nvme step / max(io_s, compute_s)``, goal <= 1.15; and ``nvme step / cpu step``;
+- NVMe bytes per parameter per step for Muon momentum, Adam moments and masters: goal 8, 16
+  and 8 (4 B read + 4 B written per fp32 element) when every bucket streams; the pinned pool
+  keeps a few buckets cached across steps, so the measured figure is the goal times the
+  fraction of the state that moved, which is also given.
+
+Run twice: fp32 parameters (no masters), and bf16 parameters with ``master_weights=True``
+(state and masters fp32). Optionally, DeepSpeed ZeRO-3 with its Muon and NVMe optimizer
+offload on the same model (``--deepspeed-python``: a venv with deepspeed 0.19.8 that sees
+this repo's torch; see docs/optimizer.md).
+
+    python tools/bench_step.py --path /nvme/bench --world 2 --steps 5 --warmup 1
 """
 
 from __future__ import annotations
@@ -38,6 +56,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -92,284 +111,418 @@ def proc_io() -> tuple[int, int]:
         return 0, 0
 
 
-def peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-# -- workers (one process per rank) ----------------------------------------------------------------
+def _kind(array: str) -> str:
+    """Which of the issue's three figures a state array counts toward."""
+    from offload_engine.optim.state_layout import EXP_AVG, MASTER, MOMENTUM
+    name = array.split("/")[-1]
+    if name.startswith(MOMENTUM):
+        return "muon_momentum"
+    if name.startswith(EXP_AVG):
+        return "adam_moments"      # exp_avg, exp_avg_sq (and max_exp_avg_sq)
+    if name == MASTER:
+        return "masters"
+    return name
+
+
+class ArrayBytes:
+    """NVMe bytes each state array reads and writes, counted where its file I/O is issued
+    (``FlatArray.read_into`` / ``write_from``): an independent split of the store's totals."""
+
+    def __init__(self, store):
+        self.read: dict[str, int] = {}
+        self.written: dict[str, int] = {}
+        for name, arr in store.arrays().items():
+            flat = getattr(arr, "flat", None)
+            if flat is None:
+                continue
+            self.read[name] = self.written[name] = 0
+            self._wrap(flat, name, arr.itemsize)
+
+    def _wrap(self, flat, name, itemsize):
+        read_into, write_from = flat.read_into, flat.write_from
+
+        def counted_read(start, stop, out, _n=name, **kw):
+            self.read[_n] += (stop - start) * itemsize
+            return read_into(start, stop, out, **kw)
+
+        def counted_write(start, stop, src, _n=name, **kw):
+            self.written[_n] += (stop - start) * itemsize
+            return write_from(start, stop, src, **kw)
+
+        flat.read_into, flat.write_from = counted_read, counted_write
+
+    def take(self) -> dict:
+        out = {n: {"read": self.read[n], "written": self.written[n]} for n in self.read}
+        for n in self.read:
+            self.read[n] = self.written[n] = 0
+        return out
+
+
+# -- one rank -------------------------------------------------------------------------------------------
 def _rank_main(rank, world, a, out_prefix):
     import torch
-    torch.set_num_threads(max(1, a["threads"]))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    cfg = a["config"]
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from offload_engine.optim import ZeroMuon
+    from offload_engine.optim.step_events import working_buckets
+
+    torch.set_num_threads(a["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{out_prefix}.rendezvous", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    master = a["master"]
     model = build_model(a["vocab"], a["dim"], a["layers"])
-    result = {"rank": rank, "params": sum(p.numel() for p in model.parameters())}
+    if master:
+        model.to(torch.bfloat16)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    named = list(model.named_parameters())
+    local_elems = sum(p.to_local().numel() for _, p in named)
+    hyper = dict(lr=0.02, weight_decay=0.1, adamw=dict(lr=3e-4, weight_decay=0.01),
+                 master_weights=master)
+    B = a["bucket_bytes"]
+    io = {"io_threads": a["io_threads"], "queue_depth": a["queue_depth"],
+          "block_size": a["block_size"], "prefetch_depth": a["prefetch_depth"]}
+    opt_cpu = ZeroMuon(named, **hyper, store={"default_home": "cpu", "bucket_bytes": B,
+                                              "cpu_budget": 16 * local_elems + (64 << 20), **io})
+    lay = opt_cpu.layout
+    pool = (working_buckets(lay) + len(lay.short_tails()) + a["extra_buckets"]) * B
+    opt_nvme = ZeroMuon(named, **hyper, store={
+        "nvme_paths": [os.path.join(a["path"], f"master{int(master)}")], "cpu_budget": pool,
+        "bucket_bytes": B, **io})
+    counter = ArrayBytes(opt_nvme.store)
+
+    # what each rank holds: parameters per kind, state bytes per array (no padding: exact)
+    infos = opt_nvme.infos
+    params = {"muon_momentum": sum(i.local_numel(rank) for i in infos if i.kind == "muon"),
+              "adam_moments": sum(i.local_numel(rank) for i in infos if i.kind == "adamw"),
+              "masters": sum(i.local_numel(rank) for i in infos if i.dtype != torch.float32)
+              if master else 0}
+    arrays = {opt_nvme.array_name(n): {"dtype": str(dt).removeprefix("torch."), "numel": k,
+                                       "bytes": k * torch.empty((), dtype=dt).element_size(),
+                                       "padding_bytes": lay.padding.get(n, 0) *
+                                       torch.empty((), dtype=dt).element_size()}
+              for n, (dt, k) in opt_nvme.layout.arrays.items()}
+    result = {"rank": rank, "params": sum(i.numel for i in infos),
+              "muon_params": sum(i.numel for i in infos if i.kind == "muon"),
+              "local_params": params, "arrays": arrays, "pool_bytes": pool,
+              "working_buckets": working_buckets(lay), "kept_tails": len(opt_nvme._pinned),
+              "state_bytes": lay.state_bytes(), "chunks": len(lay.chunks),
+              "shared_buckets": sum(1 for n in lay.uses().values() if n > 1)}
+
     gen = torch.Generator().manual_seed(1000 + rank)
     tokens = lambda: torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
-    steps = []
-
-    if cfg == "torch_muon_w1":
-        from offload_engine.optim import default_use_muon
-        muon = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
-        rest = [p for n, p in model.named_parameters() if not default_use_muon(n, p)]
-        opts = [torch.optim.Muon(muon, lr=0.02, weight_decay=0.1),
-                torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.01)]
-        result["muon_params"] = sum(p.numel() for p in muon)
-        for i in range(a["warmup"] + a["steps"]):
-            io0 = proc_io()
+    steps = {"nvme": [], "cpu": []}
+    opts = {"nvme": opt_nvme, "cpu": opt_cpu}
+    for it in range(a["warmup"] + a["steps"]):
+        order = ("nvme", "cpu") if it % 2 == 0 else ("cpu", "nvme")
+        for which in order:
+            opt = opts[which]
             t0 = time.perf_counter()
             loss_of(model, tokens()).backward()
             t1 = time.perf_counter()
-            for o in opts:
-                o.step()
-            t2 = time.perf_counter()
-            for o in opts:
-                o.zero_grad()
-            io1 = proc_io()
-            if i >= a["warmup"]:
-                steps.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
-                              "disk_read": io1[0] - io0[0], "disk_write": io1[1] - io0[1]})
-    elif cfg.startswith("zero_muon"):
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from offload_engine.optim import ZeroMuon
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (world,))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        if cfg.endswith("nvme"):
-            store = {"nvme_paths": [os.path.join(a["path"], cfg)], "cpu_budget": a["cpu_budget"],
-                     "bucket_bytes": a["bucket_bytes"], "prefetch_depth": 2}
-        else:
-            store = None
-        opt = ZeroMuon(model.named_parameters(), lr=0.02, weight_decay=0.1,
-                       adamw=dict(lr=3e-4, weight_decay=0.01), store=store)
-        result["muon_params"] = sum(i.numel for i in opt.infos if i.kind == "muon")
-        result["state_bytes_per_rank"] = opt.layout.state_bytes()
-        result["chunks"] = len(opt.layout.chunks)
-        for i in range(a["warmup"] + a["steps"]):
-            io0 = proc_io()
-            t0 = time.perf_counter()
-            loss_of(model, tokens()).backward()
-            t1 = time.perf_counter()
+            io0, c0 = proc_io(), time.process_time()
             opt.step()
             t2 = time.perf_counter()
+            c1, io1 = time.process_time(), proc_io()
             opt.zero_grad()
-            io1 = proc_io()
             st = opt.last_step_stats
-            if i >= a["warmup"]:
-                steps.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
-                              "disk_read": io1[0] - io0[0], "disk_write": io1[1] - io0[1],
-                              "a2a_bytes_sent": st.a2a_bytes_sent,
-                              "a2a_bytes_received": st.a2a_bytes_received,
-                              "store_nvme_read": st.store_bytes_read["nvme"],
-                              "store_nvme_written": st.store_bytes_written["nvme"],
-                              "store_io_wait_s": st.store_io_wait_s, "comm_wait_s": st.comm_wait_s,
-                              "ns_s": st.ns_s, "ns_calls": st.ns_calls})
-        opt.close()
-        dist.destroy_process_group()
-    elif cfg.startswith("deepspeed"):
-        os.environ["DS_ACCELERATOR"] = "cpu"
-        import deepspeed
-        from offload_engine.optim import default_use_muon
-        deepspeed.init_distributed(dist_backend="gloo")
-        for n, p in model.named_parameters():
-            p.use_muon = default_use_muon(n, p)
-        result["muon_params"] = sum(p.numel() for p in model.parameters() if p.use_muon)
-        nvme = os.path.join(a["path"], cfg)
-        os.makedirs(nvme, exist_ok=True)
-        ds_cfg = {
-            "train_micro_batch_size_per_gpu": a["batch"], "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
-                                                     "adam_lr": 3e-4, "adam_weight_decay": 0.01}},
-            # DeepSpeed refuses Muon with reduce_scatter (stage3.py): its Muon path all-reduces
-            "zero_optimization": {"stage": 3, "sub_group_size": a["bucket_bytes"] // 4, "reduce_scatter": False,
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
-                                                        "pin_memory": False, "buffer_count": 4}},
-            "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
-                    "single_submit": False, "overlap_events": True},
-            "wall_clock_breakdown": False, "steps_per_print": 10 ** 9,
-        }
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_cfg)
-        for i in range(a["warmup"] + a["steps"]):
-            io0 = proc_io()
-            t0 = time.perf_counter()
-            loss = loss_of(engine, tokens())
-            engine.backward(loss)
-            t1 = time.perf_counter()
-            engine.step()
-            t2 = time.perf_counter()
-            io1 = proc_io()
-            if i >= a["warmup"]:
-                steps.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
-                              "disk_read": io1[0] - io0[0], "disk_write": io1[1] - io0[1]})
-    else:
-        raise SystemExit(f"unknown config {cfg}")
+            rec = {"iteration": it, "first": which == order[0], "fwd_bwd_s": t1 - t0,
+                   "step_s": t2 - t1, "cpu_s": c1 - c0, "store_io_wait_s": st.store_io_wait_s,
+                   "comm_wait_s": st.comm_wait_s, "ns_s": st.ns_s, "a2a_bytes_sent": st.a2a_bytes_sent,
+                   "a2a_bytes_received": st.a2a_bytes_received, "a2a_calls": st.a2a_calls}
+            if which == "nvme":
+                # window: since the previous NVMe step ended (its write-behind included)
+                rec["arrays"] = counter.take()
+                rec["store_read"] = st.store_bytes_read["nvme"]
+                rec["store_written"] = st.store_bytes_written["nvme"]
+                rec["disk_read_in_step"] = io1[0] - io0[0]
+                rec["disk_written_in_step"] = io1[1] - io0[1]
+            if it >= a["warmup"]:
+                steps[which].append(rec)
     result["steps"] = steps
-    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["loadavg_end"] = os.getloadavg()
+    opt_nvme.close()
+    opt_cpu.close()
+    dist.destroy_process_group()
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(result, f)
 
 
-def worker(a: dict) -> None:
+def _spawn(a: dict) -> list[dict]:
     import torch.multiprocessing as mp
-    world = a["world"]
     with tempfile.TemporaryDirectory() as d:
         prefix = os.path.join(d, "out")
-        if world == 1 and a["config"] == "torch_muon_w1":
-            _rank_main(0, 1, a, prefix)
-        else:
-            mp.spawn(_rank_main, args=(world, a, prefix), nprocs=world, join=True)
-        ranks = []
-        for r in range(world):
+        mp.spawn(_rank_main, args=(a["world"], a, prefix), nprocs=a["world"], join=True)
+        out = []
+        for r in range(a["world"]):
             with open(f"{prefix}.rank{r}.json") as f:
-                ranks.append(json.load(f))
-    print("BENCH_RESULT " + json.dumps(ranks))
-
-
-# -- the driver ---------------------------------------------------------------------------------------
-def summarize(ranks: list[dict]) -> dict:
-    keys = [k for k in ranks[0]["steps"][0]] if ranks[0]["steps"] else []
-    per_rank = [{k: _median([s[k] for s in r["steps"]]) for k in keys} for r in ranks]
-    out = {
-        "params": ranks[0]["params"], "muon_params": ranks[0].get("muon_params"),
-        "world": len(ranks),
-        # the slowest rank sets the pace of a synchronous step
-        "step_s": max(p["step_s"] for p in per_rank),
-        "fwd_bwd_s": max(p["fwd_bwd_s"] for p in per_rank),
-        "iteration_s": max(p["step_s"] + p["fwd_bwd_s"] for p in per_rank),
-        "step_s_runs": [[s["step_s"] for s in r["steps"]] for r in ranks],
-        "disk_read_bytes_per_step": [p["disk_read"] for p in per_rank],
-        "disk_write_bytes_per_step": [p["disk_write"] for p in per_rank],
-        "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
-    }
-    for k in ("a2a_bytes_sent", "a2a_bytes_received", "store_nvme_read", "store_nvme_written",
-              "store_io_wait_s", "comm_wait_s", "ns_s", "ns_calls"):
-        if k in keys:
-            out[k + "_per_step"] = [p[k] for p in per_rank]
-    for k in ("state_bytes_per_rank", "chunks"):
-        if k in ranks[0]:
-            out[k] = [r[k] for r in ranks]
-    if "a2a_bytes_sent" in keys and out["muon_params"]:
-        w = out["world"]
-        out["a2a_formula_bytes"] = 4 * (w - 1) / w * out["muon_params"] / w
+                out.append(json.load(f))
     return out
 
 
-def run_config(python: str, args, config: str, world: int, threads: int, env=None) -> dict:
-    a = {"config": config, "world": world, "threads": threads, "vocab": args.vocab, "dim": args.dim,
-         "layers": args.layers, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-         "warmup": args.warmup, "path": args.path, "cpu_budget": args.cpu_budget,
-         "bucket_bytes": args.bucket_bytes, "port": args.port + hash(config) % 1000}
-    cmd = [python, os.path.abspath(__file__), "--worker", json.dumps(a)]
+# -- figures ------------------------------------------------------------------------------------------
+def summarize(ranks: list[dict], fio_gbps: float) -> dict:
+    med = lambda r, which, key: _median([s[key] for s in r["steps"][which]])
+    nvme_s = max(med(r, "nvme", "step_s") for r in ranks)
+    cpu_s = max(med(r, "cpu", "step_s") for r in ranks)
+    # NVMe bytes per rank per step (median over steps), by array and by kind
+    per_rank = []
+    for r in ranks:
+        ss = r["steps"]["nvme"]
+        arrays = {}
+        for name in r["arrays"]:
+            rd = _median([s["arrays"][name]["read"] for s in ss])
+            wr = _median([s["arrays"][name]["written"] for s in ss])
+            arrays[name] = {"read": rd, "written": wr}
+        kinds = {}
+        for name, v in arrays.items():
+            k = kinds.setdefault(_kind(name), {"read": 0, "written": 0, "state_bytes": 0})
+            k["read"] += v["read"]
+            k["written"] += v["written"]
+            k["state_bytes"] += r["arrays"][name]["bytes"]
+        per_param = {}
+        for k, v in kinds.items():
+            n = r["local_params"].get(k) or 0
+            if not n:
+                continue
+            per_param[k] = {
+                "params_on_rank": n,
+                "state_bytes_per_param": v["state_bytes"] / n,
+                "nvme_bytes_per_param_per_step": (v["read"] + v["written"]) / n,
+                "moved_fraction_of_state": v["read"] / v["state_bytes"],
+                "if_every_bucket_streamed": 2 * v["state_bytes"] / n,
+            }
+        moved = sum(v["read"] + v["written"] for v in arrays.values())
+        per_rank.append({
+            "rank": r["rank"], "moved_bytes": moved, "arrays": arrays, "bytes_per_param": per_param,
+            "store_counters_read_written": [_median([s["store_read"] for s in ss]),
+                                            _median([s["store_written"] for s in ss])],
+            "proc_io_read_written_during_step": [_median([s["disk_read_in_step"] for s in ss]),
+                                                 _median([s["disk_written_in_step"] for s in ss])],
+            "state_bytes": r["state_bytes"], "padding_bytes": sum(a["padding_bytes"]
+                                                                  for a in r["arrays"].values()),
+            "pool_bytes": r["pool_bytes"], "working_buckets": r["working_buckets"],
+            "kept_tails": r["kept_tails"], "chunks": r["chunks"], "shared_buckets": r["shared_buckets"],
+            "a2a_bytes_sent": med(r, "nvme", "a2a_bytes_sent"),
+            "a2a_bytes_received": med(r, "nvme", "a2a_bytes_received"),
+            "a2a_calls": med(r, "nvme", "a2a_calls"),
+            "nvme": {k: med(r, "nvme", k) for k in ("step_s", "cpu_s", "store_io_wait_s",
+                                                   "comm_wait_s", "ns_s", "fwd_bwd_s")},
+            "cpu": {k: med(r, "cpu", k) for k in ("step_s", "cpu_s", "store_io_wait_s",
+                                                  "comm_wait_s", "ns_s", "fwd_bwd_s")},
+            "step_s_runs": {"nvme": [s["step_s"] for s in ss],
+                            "cpu": [s["step_s"] for s in r["steps"]["cpu"]]},
+        })
+    io_bytes = sum(p["moved_bytes"] for p in per_rank)   # the ranks share the disk
+    io_s = io_bytes / (fio_gbps * 1e9)
+    bound = max(io_s, cpu_s)
+    w = len(ranks)
+    muon = ranks[0]["muon_params"]
+    return {
+        "params": ranks[0]["params"], "muon_params": muon, "world": w,
+        "nvme_step_s": nvme_s, "cpu_step_s": cpu_s, "compute_s": cpu_s,
+        "io_bytes_per_step_all_ranks": io_bytes, "io_s": io_s,
+        "bound_s": bound, "bound_is": "io" if io_s > cpu_s else "compute",
+        "ratio_nvme_over_bound": nvme_s / bound, "goal_ratio": 1.15,
+        "ratio_nvme_over_cpu": nvme_s / cpu_s,
+        "a2a_formula_bytes": 4 * (w - 1) / w * muon / w,
+        "per_rank": per_rank,
+    }
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+def run_worker(args, master: bool) -> dict:
+    a = {"world": args.world, "threads": args.threads, "master": master, "vocab": args.vocab,
+         "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+         "steps": args.steps, "warmup": args.warmup, "path": args.path,
+         "bucket_bytes": args.bucket_bytes, "extra_buckets": args.extra_buckets,
+         "io_threads": args.io_threads, "queue_depth": args.queue_depth,
+         "block_size": args.block_size, "prefetch_depth": args.prefetch_depth}
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(a)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
-                          timeout=args.timeout)
-    wall = time.perf_counter() - t0
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     line = next((l for l in proc.stdout.splitlines()[::-1] if l.startswith("BENCH_RESULT ")), None)
     if proc.returncode != 0 or line is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-        return {"error": f"exit code {proc.returncode}", "stderr_tail": tail, "wall_s": wall}
-    out = summarize(json.loads(line[len("BENCH_RESULT "):]))
-    out["wall_s"] = wall
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-20:]
+        return {"error": f"exit code {proc.returncode}", "stderr_tail": tail}
+    out = json.loads(line[len("BENCH_RESULT "):])
+    out["wall_s"] = time.perf_counter() - t0
     return out
 
 
 def main(argv=None) -> int:
+    from offload_engine.units import parse_bytes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--path", help="directory on the disk that holds NVMe state (a temporary folder "
-                                  "is made in it and removed)")
+    p.add_argument("--path", help="directory on the NVMe (a temporary folder is made in it and removed)")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="measured steps of each kind (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=21)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--cpu-budget", type=lambda s: _bytes(s), default="64MiB")
-    p.add_argument("--bucket-bytes", type=lambda s: _bytes(s), default="8MiB")
-    p.add_argument("--configs", default="torch,zero_nvme,zero_cpu,deepspeed")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / W)")
+    p.add_argument("--bucket-bytes", type=parse_bytes, default=parse_bytes("4MiB"))
+    p.add_argument("--extra-buckets", type=int, default=16,
+                   help="pinned pool = the step's working set + the arrays' short tails + this "
+                        "(room for the prefetch)")
+    p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--queue-depth", type=int, default=8)
+    p.add_argument("--block-size", type=parse_bytes, default=parse_bytes("4MiB"))
+    p.add_argument("--prefetch-depth", type=int, default=16,
+                   help="buckets read ahead (16 x 4 MiB: 64 MiB ahead)")
+    p.add_argument("--fio-size", type=parse_bytes, default=parse_bytes("1GiB"))
+    p.add_argument("--fio-runs", type=int, default=3)
+    p.add_argument("--masters", choices=("both", "off", "on"), default="both",
+                   help="fp32 parameters without masters, bf16 parameters with fp32 masters, or both")
     p.add_argument("--deepspeed-python", default=None,
-                   help="python of a venv with deepspeed 0.19.8 (and this repo's torch)")
-    p.add_argument("--torch-threads", type=int, default=0,
-                   help="threads of the one-process torch baseline (default: cores / world, "
-                        "the same as each ZeroMuon rank; bf16 matmuls ran slower on 2 threads "
-                        "than on 1 on the 2-core test machine)")
-    p.add_argument("--port", type=int, default=29600)
-    p.add_argument("--timeout", type=int, default=1800)
+                   help="also run DeepSpeed ZeRO-3 Muon with NVMe offload on the same model with "
+                        "this interpreter (a venv with deepspeed 0.19.8 and this repo's torch)")
+    p.add_argument("--timeout", type=int, default=3600)
     args = p.parse_args(argv)
     if args.worker:
-        worker(json.loads(args.worker))
+        a = json.loads(args.worker)
+        spawn = _spawn_deepspeed if a.get("deepspeed") else _spawn
+        print("BENCH_RESULT " + json.dumps({"ranks": spawn(a)}))
         return 0
     if not args.path or not os.path.isdir(args.path):
         print("bench_step: --path must be an existing directory", file=sys.stderr)
         return 2
+    from bench_store import fio_mixed_gbps
     cores = os.cpu_count() or 1
-    threads = max(1, cores // args.world)
-    wanted = args.configs.split(",")
+    args.threads = args.threads or max(1, cores // args.world)
+    load0 = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="bench_step_", dir=args.path)
     args.path = tmp
     results = {}
     try:
-        if "torch" in wanted:
-            results["torch_muon_w1"] = run_config(sys.executable, args, "torch_muon_w1", 1,
-                                                  args.torch_threads or threads)
-        if "zero_nvme" in wanted:
-            results[f"zero_muon_w{args.world}_nvme"] = run_config(
-                sys.executable, args, f"zero_muon_w{args.world}_nvme", args.world, threads)
-        if "zero_cpu" in wanted:
-            results[f"zero_muon_w{args.world}_cpu"] = run_config(
-                sys.executable, args, f"zero_muon_w{args.world}_cpu", args.world, threads)
-        if "deepspeed" in wanted:
-            name = f"deepspeed_zero3_muon_nvme_w{args.world}"
-            if args.deepspeed_python:
-                results[name] = run_config(args.deepspeed_python, args, name, args.world, threads,
-                                           env={"DS_ACCELERATOR": "cpu"})
-            else:
-                results[name] = {"skipped": "no --deepspeed-python given"}
+        fio = fio_mixed_gbps(tmp, args.fio_size, args.block_size, args.queue_depth, args.fio_runs)
+        for master in {"both": (False, True), "off": (False,), "on": (True,)}[args.masters]:
+            name = "bf16_params_fp32_masters" if master else "fp32_params_no_masters"
+            raw = run_worker(args, master)
+            results[name] = raw if "error" in raw else {**summarize(raw["ranks"], fio["mixed"]["gbps"]),
+                                                        "wall_s": raw["wall_s"]}
+        if args.deepspeed_python:
+            results["deepspeed_zero3_muon_nvme"] = run_deepspeed(args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    base = results.get("torch_muon_w1", {})
-    ratios = {}
-    for name, r in results.items():
-        if "step_s" in r and "step_s" in base and name != "torch_muon_w1":
-            ratios[f"{name}_step_vs_torch_w1"] = r["step_s"] / base["step_s"]
-            ratios[f"{name}_iteration_vs_torch_w1"] = r["iteration_s"] / base["iteration_s"]
-    ds = results.get(f"deepspeed_zero3_muon_nvme_w{args.world}", {})
-    zn = results.get(f"zero_muon_w{args.world}_nvme", {})
-    if "step_s" in ds and "step_s" in zn:
-        ratios["zero_muon_nvme_vs_deepspeed_iteration"] = zn["iteration_s"] / ds["iteration_s"]
-        ratios["zero_muon_nvme_vs_deepspeed_step"] = zn["step_s"] / ds["step_s"]
     import torch
     report = {
-        "settings": {k: getattr(args, k) for k in ("world", "steps", "warmup", "vocab", "dim", "layers",
-                                                   "batch", "seq", "cpu_budget", "bucket_bytes")},
-        "results": results, "ratios": ratios,
+        "settings": {k: getattr(args, k) for k in (
+            "world", "steps", "warmup", "vocab", "dim", "layers", "batch", "seq", "threads",
+            "bucket_bytes", "extra_buckets", "io_threads", "queue_depth", "block_size",
+            "prefetch_depth")},
+        "fio": fio, "results": results,
         "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": cores,
-                        "threads_per_rank": threads, "torch_threads": args.torch_threads or threads, "torch": torch.__version__,
-                        "platform": platform.platform(), "loadavg": os.getloadavg()},
-        "notes": ["step_s: optimizer step only; DeepSpeed runs its Muon update inside backward "
-                  "(at the accumulation boundary), so compare iteration_s too",
-                  "disk bytes come from /proc/self/io over forward+backward+step"],
+                        "torch": torch.__version__, "platform": platform.platform(),
+                        "loadavg_before": load0, "loadavg_after": os.getloadavg()},
+        "notes": [
+            f"{args.world} ranks x {args.threads} torch thread(s) on {cores} cores; each NVMe store "
+            f"also runs {args.io_threads} I/O threads, which compete with Newton-Schulz and "
+            "gloo for the same cores (cpu_s: the process's CPU seconds per step, all threads)",
+            "io_s: bytes both ranks moved per step / fio's 50/50 O_DIRECT read+write rate on "
+            "the same disk, same block size and queue depth",
+            "compute_s: the same step with the state in pinned memory (median, slowest rank)",
+            "bytes per parameter: fp32 state is 4 B per element, so one read and one write of "
+            "every bucket is 8 B (Muon momentum, masters) or 16 B (Adam moments); the pinned "
+            "pool keeps some buckets across steps: measured = if_every_bucket_streamed x "
+            "moved_fraction_of_state",
+        ],
     }
     print(json.dumps(report, indent=2))
     return 0
 
 
-def _bytes(s) -> int:
-    from offload_engine.units import parse_bytes
-    return parse_bytes(s)
+def run_deepspeed(args) -> dict:
+    a = {"deepspeed": True, "world": args.world, "threads": args.threads, "vocab": args.vocab,
+         "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+         "steps": args.steps, "warmup": args.warmup, "path": args.path,
+         "bucket_bytes": args.bucket_bytes, "port": 29600 + os.getpid() % 1000}
+    cmd = [args.deepspeed_python, os.path.abspath(__file__), "--worker", json.dumps(a)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    line = next((l for l in proc.stdout.splitlines()[::-1] if l.startswith("BENCH_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        return {"error": f"exit code {proc.returncode}",
+                "stderr_tail": (proc.stderr or proc.stdout).strip().splitlines()[-20:]}
+    ranks = json.loads(line[len("BENCH_RESULT "):])["ranks"]
+    med = lambda r, k: _median([s[k] for s in r["steps"]])
+    return {"step_s": max(med(r, "step_s") for r in ranks),
+            "iteration_s": max(med(r, "step_s") + med(r, "fwd_bwd_s") for r in ranks),
+            "disk_read_bytes_per_step": [med(r, "disk_read") for r in ranks],
+            "disk_write_bytes_per_step": [med(r, "disk_write") for r in ranks],
+            "step_s_runs": [[s["step_s"] for s in r["steps"]] for r in ranks],
+            "note": "DeepSpeed orthogonalizes inside backward at the accumulation boundary: "
+                    "compare iteration_s too; disk bytes from /proc/self/io"}
+
+
+def _ds_rank_main(rank, world, a, out_prefix):
+    """DeepSpeed ZeRO-3 with its Muon optimizer and optimizer state offloaded to NVMe."""
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]),
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import deepspeed
+    from offload_engine.optim import default_use_muon
+    torch.set_num_threads(a["threads"])
+    model = build_model(a["vocab"], a["dim"], a["layers"])
+    deepspeed.init_distributed(dist_backend="gloo")
+    for n, p in model.named_parameters():
+        p.use_muon = default_use_muon(n, p)
+    nvme = os.path.join(a["path"], "deepspeed")
+    os.makedirs(nvme, exist_ok=True)
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": a["batch"], "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
+                                                 "adam_lr": 3e-4, "adam_weight_decay": 0.01}},
+        # DeepSpeed refuses Muon with reduce_scatter (stage3.py): its Muon path all-reduces
+        "zero_optimization": {"stage": 3, "sub_group_size": a["bucket_bytes"] // 4,
+                              "reduce_scatter": False,
+                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
+                                                    "pin_memory": False, "buffer_count": 4}},
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+                "single_submit": False, "overlap_events": True},
+        "wall_clock_breakdown": False, "steps_per_print": 10 ** 9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_cfg)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    steps = []
+    for i in range(a["warmup"] + a["steps"]):
+        tokens = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
+        io0 = proc_io()
+        t0 = time.perf_counter()
+        engine.backward(loss_of(engine, tokens))
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        io1 = proc_io()
+        if i >= a["warmup"]:
+            steps.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
+                          "disk_read": io1[0] - io0[0], "disk_write": io1[1] - io0[1]})
+    with open(f"{out_prefix}.rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "steps": steps}, f)
+
+
+def _spawn_deepspeed(a: dict) -> list[dict]:
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        prefix = os.path.join(d, "out")
+        mp.spawn(_ds_rank_main, args=(a["world"], a, prefix), nprocs=a["world"], join=True)
+        out = []
+        for r in range(a["world"]):
+            with open(f"{prefix}.rank{r}.json") as f:
+                out.append(json.load(f))
+    return out
 
 
 if __name__ == "__main__":
