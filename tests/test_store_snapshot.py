@@ -80,3 +80,20 @@ def test_snapshot_refuses_while_handles_are_held(tmp_path):
             s.snapshot(lambda *a: None)
         s.release(h)
         s.snapshot(lambda *a: None).wait(30)
+
+
+def test_kept_buckets_stay_resident_and_do_not_block_a_snapshot(tmp_path):
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 12 * B // 4)
+        run_steps(s, "m", 1)
+        kept = s.keep("m", 11)
+        assert kept.tensor is None                 # residency only: changes go through acquire
+        run_steps(s, "m", 2)                       # 12 buckets through a pool of 4
+        assert ("m", 11) in s.resident_buckets()
+        copies = {}
+        snap = s.snapshot(lambda a, i, start, t: copies.__setitem__(i, t.clone()))
+        snap.wait(30)
+        assert sorted(copies) == list(range(12)) and bool((copies[11] == 3).all())
+        with pytest.raises(ValueError, match="keep"):
+            s.release(kept, dirty=True)
+        s.release(kept)

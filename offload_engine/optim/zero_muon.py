@@ -197,7 +197,7 @@ class ZeroMuon(torch.optim.Optimizer):
                 homes[name] = self.store.register(self.array_name(name), dtype, numel).home
             # short last buckets of NVMe arrays stay acquired when the pool has room for them
             for n, b in kept_tails(self.layout, homes, spare):
-                self._pinned.append(self.store.acquire(self.array_name(n), b, device="cpu"))
+                self._pinned.append(self.store.keep(self.array_name(n), b))
             self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.step_order(False)])
             if self.store.root is not None:
                 tensors, shards = store_manifest(self)

@@ -24,6 +24,7 @@ class Bucket:
     buf: Any = None       # PooledBuffer while resident, reading or writing
     gpu_offset: int | None = None  # extent in the GPU arena (gpu home, or staged for a user)
     refs: int = 0
+    keeps: int = 0        # of refs, those held by keep() handles (no bytes lent)
     dirty: bool = False   # holds bytes newer than the home tier's
     on_disk: bool = False
     evict_after_write: bool = False

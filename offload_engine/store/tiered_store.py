@@ -59,9 +59,10 @@ class Handle:
     start: int            # first element (array coordinates)
     stop: int
     device: torch.device
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None   # None for a keep() handle: it lends residency, no bytes
     _bucket: Bucket
     _released: bool = False
+    keep: bool = False
 
 
 class TieredStore:
@@ -318,13 +319,29 @@ class TieredStore:
                 tensor = self._stage_on_gpu(b)[start - b.start:stop - b.start]
         return Handle(name, start, stop, dev, tensor, b)
 
+    def keep(self, name: str, index: int) -> Handle:
+        """Keep bucket ``index`` of array ``name`` in the pinned pool until the handle is
+        released (never a victim), without lending its bytes: ``handle.tensor`` is None and
+        changes go through ``acquire``, so a ``snapshot`` may run while it is kept."""
+        h = self.acquire(name, index, device="cpu")
+        with self._lock:
+            h._bucket.keeps += 1
+        h.tensor = None
+        h.keep = True
+        return h
+
     def release(self, handle: Handle, dirty: bool = False) -> None:
         """End the loan of ``handle``; ``dirty`` says its bytes were changed."""
         b = handle._bucket
         with self._lock:
             if handle._released:
                 raise RuntimeError(f"handle of {handle.array}[{handle.start}:{handle.stop}] released twice")
+            if handle.keep and dirty:
+                raise ValueError(f"handle of {handle.array}[{handle.start}:{handle.stop}] "
+                                 "is a keep() handle: it lends no bytes to change")
             handle._released = True
+            if handle.keep:
+                b.keeps -= 1
             if handle.device.type == "cuda":
                 self._unstage_from_gpu(b, dirty)
             b.refs -= 1
@@ -624,7 +641,7 @@ class TieredStore:
             self._check_open()
             if self._snapshot is not None and not self._snapshot.finished.is_set():
                 raise RuntimeError("a snapshot of this store is still being taken")
-            held = sorted(b.key for b in self._resident if b.refs)
+            held = sorted(b.key for b in self._resident if b.refs > b.keeps)
             if held:
                 raise RuntimeError(f"snapshot while buckets are held ({held[:3]}...): take it "
                                    "between steps, when every handle is released")
