@@ -1,20 +1,21 @@
 """checkpoint/: save and load ZeroMuon runs (reshardable, checksummed, atomically committed),
 read DeepSpeed checkpoints, and consolidate either into Hugging Face safetensors.
 
-``save_checkpoint`` and ``load_checkpoint`` are imported on first use: they pull in
+``save_checkpoint``, ``save_checkpoint_async`` and ``load_checkpoint`` are imported on first use: they pull in
 torch.distributed, which offline tools (inspect, consolidate, plan) never need.
 """
 
 from .checksums import ChecksumError
 from .generations import CheckpointError, resolve
 
-__all__ = ["CheckpointError", "ChecksumError", "load_checkpoint", "resolve", "save_checkpoint"]
+__all__ = ["CheckpointError", "ChecksumError", "load_checkpoint", "resolve", "save_checkpoint",
+           "save_checkpoint_async"]
 
 
 def __getattr__(name: str):
-    if name == "save_checkpoint":
-        from .save import save_checkpoint
-        return save_checkpoint
+    if name in ("save_checkpoint", "save_checkpoint_async"):
+        from . import save
+        return getattr(save, name)
     if name == "load_checkpoint":
         from .load import load_checkpoint
         return load_checkpoint

@@ -45,6 +45,62 @@ def crc32c_extend(crc: int, data) -> int:
     return google_crc32c.extend(crc, data.numpy())
 
 
+def padded_crc32c(data, chunk_bytes: int) -> int:
+    """CRC-32C of a chunk file that holds the bytes of ``data`` (a contiguous CPU uint8
+    tensor) followed by zeros up to ``chunk_bytes`` (an edge chunk's padding): what a
+    writer records from memory instead of reading its chunk back."""
+    return crc32c_extend_zeros(crc32c_extend(0, data), chunk_bytes - data.numel())
+
+
+_zero_piece = None  # a numpy array of PIECE zero bytes, made on first use (readers never need it)
+
+
+def crc32c_extend_zeros(crc: int, n: int) -> int:
+    """``crc`` extended by ``n`` zero bytes (a chunk file's padding)."""
+    global _zero_piece
+    if _zero_piece is None:
+        import numpy as np
+        _zero_piece = np.zeros(PIECE, dtype=np.uint8)
+    while n > 0:
+        piece = min(n, PIECE)
+        crc = google_crc32c.extend(crc, _zero_piece[:piece])
+        n -= piece
+    return crc
+
+
+class SequentialChunkCrc:
+    """The chunk checksums of an array whose bytes are written in order from byte 0 (a
+    packed array of parameters): ``add`` each piece as it is written, ``finish`` pads the
+    last chunk with zeros, as the file is."""
+
+    def __init__(self, chunk_bytes: int, total_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self.total_bytes = total_bytes
+        self.pos = 0
+        self.crc = 0
+        self.done: list[int] = []
+
+    def add(self, data) -> None:
+        """Extend by ``data`` (a contiguous CPU uint8 tensor), the next bytes of the array."""
+        taken = 0
+        while taken < data.numel():
+            room = self.chunk_bytes - self.pos % self.chunk_bytes
+            piece = data[taken:taken + room]
+            self.crc = crc32c_extend(self.crc, piece)
+            self.pos += piece.numel()
+            taken += piece.numel()
+            if self.pos % self.chunk_bytes == 0:
+                self.done.append(self.crc)
+                self.crc = 0
+
+    def finish(self) -> list[int]:
+        if self.pos != self.total_bytes:
+            raise AssertionError(f"{self.pos} of {self.total_bytes} bytes were checksummed")
+        if self.pos % self.chunk_bytes:
+            self.done.append(crc32c_extend_zeros(self.crc, self.chunk_bytes - self.pos % self.chunk_bytes))
+        return self.done
+
+
 def chunk_checksums(flat) -> list[int | None]:
     """What a checkpoint records for the FlatArray ``flat``: the crc32c of every chunk
     file in chunk order, ``None`` for a chunk file that does not exist."""

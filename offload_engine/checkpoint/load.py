@@ -22,6 +22,7 @@ from ..layout.manifest import ranks_holding_rows, rows_per_rank
 from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
 from .checksums import ChunkVerifier
 from .generations import CheckpointError, manifest, resolve, shard_tables
+from .pending import finish_previous
 from .save import _collective, param_name
 
 
@@ -30,6 +31,7 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
     """Restore parameters and optimizer state from ``ckpt_dir`` (the ``latest`` generation,
     or ``tag``); returns the step it was saved at. Raises CheckpointError (naming the file)
     for a missing, torn or corrupt checkpoint or one of another model."""
+    finish_previous(optimizer)  # a save in progress reads the parameters this overwrites
     gen = resolve(ckpt_dir, tag)
     attrs = manifest(gen)
     rank, _, _ = _collective()

@@ -1,36 +1,40 @@
-"""Save a model and its ZeroMuon optimizer as one checkpoint generation (all ranks call it).
+"""Save a model and its ZeroMuon optimizer as one checkpoint generation (all ranks call it),
+while training goes on.
 
-Each rank writes its own rows of every parameter and every optimizer state into flat zarr
-arrays ``rank{r}/<key>`` (key: ``param``, ``momentum_buffer``, ``exp_avg``, ...; a
-``.<dtype>`` suffix when not float32), one parameter at a time, so memory is bounded by the
-largest local shard, then its shard table (where its rows of every parameter sit) in the
-attributes of group ``rank{r}``. Rank 0 writes the tensor table (global shapes, dtypes,
-optimizer kinds, states, step, crc32c of every chunk: docs/format.md, "Manifest") and
-commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then ``latest``. Only
-small per-rank summaries travel between ranks (arrays, checksums, AdamW steps), never the
-shard tables.
+``save_checkpoint_async`` returns as soon as the save is set up: the optimizer state is
+copied by the store's snapshot (each bucket as it was at the call, in no memory beyond the
+pinned pool: a bucket the next step needs first is copied by that step before it changes
+it), and the parameters are written by a background thread that the next
+``optimizer.step()`` waits for. ``save_checkpoint`` is the same, waited for.
+
+Each rank writes its own arrays ``rank{r}/<key>`` (rank_writer.py) and its shard table
+(where its rows of every parameter and state sit) in the attributes of group ``rank{r}``;
+when its bytes are fsynced it reports to rank 0 by a file, and rank 0 writes the tensor
+table (global shapes, dtypes, optimizer kinds, step, crc32c of every chunk: docs/format.md,
+"Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
+``latest`` (commit.py). The background threads make no collective calls.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
 
-from ..io import AsyncFileIO, IOFuture
-from ..io.page_cache import sync_tree
-from ..layout import FlatArray, create_group
+from ..layout import create_group
 from ..layout.dtypes import torch_to_zarr
 from ..layout.manifest import rank_group, shard_entry, tensor_entry, write_shard_table
-from ..layout.metadata import fsync_dir
-from ..optim.state_access import (adam_step, has_state, local_param, param_state_arrays,
-                                  read_param_state)
-from .checksums import chunk_checksums
-from .generations import FORMAT, FORMAT_VERSION, PARTIAL, generation_name, write_latest
+from ..optim.state_access import adam_step, has_state, state_arrays, state_dtype, state_offsets
+from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
+from .generations import FORMAT, FORMAT_VERSION, PARTIAL, generation_name
+from .pending import PendingCheckpoint, finish_previous, guard
+from .rank_writer import RankWriter
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 64 << 20          # chunk files of the parameter arrays (bytes)
+COMMIT_TIMEOUT_S = 3600.0       # how long rank 0 waits for the others' parts
 
 
 def array_name(rank: int, key: str, dtype: torch.dtype) -> str:
@@ -44,26 +48,37 @@ def _collective() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
-def _barrier(on: bool) -> None:
-    if on:
-        dist.barrier()
-
-
 def param_name(info) -> str:
     return info.name or f"param.{info.index}"
 
 
-@torch.no_grad()
 def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int, *,
                     chunk_bytes: int = CHUNK_BYTES) -> str:
     """Write generation ``step-<step>`` of ``optimizer``'s parameters and state under
-    ``ckpt_dir``; collective over all ranks. Returns the committed directory.
+    ``ckpt_dir`` and wait until it is committed; collective over all ranks. Returns the
+    committed directory. ``model`` is accepted for symmetry with ``load_checkpoint``: the
+    optimizer's parameters are what is saved (buffers are not, yet)."""
+    return save_checkpoint_async(ckpt_dir, model, optimizer, step, chunk_bytes=chunk_bytes).wait()
 
-    ``model`` is accepted for symmetry with ``load_checkpoint``: the optimizer's parameters
-    are what is saved (buffers are not, yet).
+
+@torch.no_grad()
+def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int, *,
+                          chunk_bytes: int = CHUNK_BYTES,
+                          commit_timeout_s: float = COMMIT_TIMEOUT_S) -> PendingCheckpoint:
+    """Start writing generation ``step-<step>`` and return at once; collective over all
+    ranks (call it between steps, on every rank). ``.wait()`` on the result blocks until
+    the generation is committed and raises what went wrong.
+
+    Until then: the next ``optimizer.step()`` first waits for the parameters to be written
+    (a pre-hook), and parameters must not be changed other than by that step; a bucket of
+    state the step needs before the snapshot copied it is copied by the step (one bucket
+    write). A second save waits for the first. The thread is not a daemon: a script that
+    ends right after saving still commits.
     """
-    rank, world, coll = _collective()
     opt = optimizer
+    finish_previous(opt)
+    t0 = time.perf_counter()
+    rank, world, coll = _collective()
     name = generation_name(step)
     final = os.path.join(ckpt_dir, name)
     staging = final + PARTIAL
@@ -74,91 +89,118 @@ def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int,
         if os.path.exists(staging):
             shutil.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
         os.makedirs(staging)
-    _barrier(coll)
-
-    # -- plan: which parameter lands where in this rank's arrays --------------------------
-    infos = [i for i in opt.infos if i.distributed or rank == 0]  # replicated: rank 0 only
-    sizes: dict[str, tuple[torch.dtype, int]] = {}
-    shards: dict[str, dict] = {}
-
-    def place(key: str, dtype: torch.dtype, n: int) -> tuple[str, int]:
-        arr = array_name(rank, key, dtype)
-        dt, used = sizes.get(arr, (dtype, 0))
-        sizes[arr] = (dtype, used + n)
-        return arr, used
-
-    for info in infos:
-        r = rank if info.distributed else 0
-        n = info.local_numel(r)
-        states = {key: place(key, dt, n) for key, dt in saved_states(opt, info).items()}
-        shards[param_name(info)] = shard_entry(info.row_offset(r), info.rows_per_rank[r], n,
-                                               states)
-
-    # -- write: one parameter at a time, then this rank's shard table ----------------------
-    rank_dir = os.path.join(staging, rank_group(rank))
-    create_group(rank_dir, {})
-    io = AsyncFileIO(threads=4, queue_depth=4)
-    try:
-        arrays = {arr: FlatArray.create(os.path.join(staging, arr), n, dt, io=io,
-                                        chunk_bytes=chunk_bytes)
-                  for arr, (dt, n) in sizes.items()}
-        for info in infos:
-            states = shards[param_name(info)]["states"]
-            pending: list[tuple[IOFuture, torch.Tensor]] = []  # a source lives until written
-            for key, where in states.items():
-                value = (local_param(info).detach().reshape(-1).cpu() if key == "param"
-                         else read_param_state(opt, info, key)).contiguous()
-                off = where["offset"]
-                pending.append((arrays[where["array"]].write_from(off, off + value.numel(), value),
-                                value))
-            for f, _ in pending:
-                f.result()
-        for arr in arrays.values():
-            arr.sync().result()
-        checksums = {name_: chunk_checksums(a) for name_, a in arrays.items()}
-    finally:
-        io.close()
-    write_shard_table(staging, rank, shards)
-    sync_tree(rank_dir)
-
-    # -- tensor table and commit (rank 0) --------------------------------------------------
-    steps = {param_name(i): adam_step(opt, i) for i in infos}
-    mine = {"checksums": checksums,
-            "arrays": {a: {"dtype": torch_to_zarr(dt), "numel": n} for a, (dt, n) in sizes.items()},
-            "adam_steps": {k: v for k, v in steps.items() if v is not None}}
-    gathered = [None] * world
     if coll:
-        dist.all_gather_object(gathered, mine)
-    else:
-        gathered = [mine]
-    if rank == 0:
-        adam_steps = {k: v for g in reversed(gathered) for k, v in g["adam_steps"].items()}
-        tensors = {}
-        for info in opt.infos:
-            pname = param_name(info)
-            held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
-            tensors[pname] = tensor_entry(
-                info.shape, torch_to_zarr(info.dtype), info.kind,
-                {k: torch_to_zarr(dt) for k, dt in saved_states(opt, info).items()}, held, world)
-            if pname in adam_steps:
-                tensors[pname]["adam_step"] = adam_steps[pname]
-        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-                   if k not in ("params", "param_names") and _jsonable(v)}
-                  for g in opt.param_groups]
-        attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-                 "world_size": world, "tensors": tensors, "param_groups": groups,
-                 "arrays": {k: v for g in gathered for k, v in g["arrays"].items()},
-                 "checksums": {k: v for g in gathered for k, v in g["checksums"].items()},
-                 "committed": True}
-        create_group(staging, attrs)
-        fsync_dir(staging)
-    _barrier(coll)
-    if rank == 0:
-        os.rename(staging, final)  # the commit point
-        fsync_dir(ckpt_dir)
-        write_latest(ckpt_dir, name)
-    _barrier(coll)
-    return final
+        dist.barrier()
+
+    pending = PendingCheckpoint(final, step)
+    try:
+        plan = _plan(opt, rank, chunk_bytes)
+        create_group(os.path.join(staging, rank_group(rank)), {})
+        write_shard_table(staging, rank, plan["shards"])
+        writer = RankWriter(staging, rank, plan["param_arrays"], plan["params"],
+                            plan["state_arrays"], chunk_bytes)
+        try:
+            snap = opt.store.snapshot(writer.sink, arrays=list(plan["state_arrays"])) \
+                if plan["state_arrays"] else None
+        except BaseException:
+            writer.close()
+            raise
+    except BaseException as e:
+        report_failed(staging, rank, e)  # so that rank 0 does not wait for this rank
+        raise
+    adam_steps = {param_name(i): adam_step(opt, i) for i in plan["infos"]}
+    attrs = _manifest(opt, step, world) if rank == 0 else None
+
+    def body() -> None:
+        try:
+            t = time.perf_counter()
+            writer.write_params()
+            pending.params_written.set()
+            pending.stats["params_s"] = time.perf_counter() - t
+            if snap is not None:
+                snap.wait()
+                pending.stats["inline_copies"] = snap.copied_inline
+                pending.stats["state_buckets"] = snap.total
+            summary = writer.finish()
+            pending.stats["bytes"] = writer.bytes_written
+            summary["adam_steps"] = {k: v for k, v in adam_steps.items() if v is not None}
+            report_done(staging, rank, summary)
+            pending.stats["written_s"] = time.perf_counter() - t0
+        except BaseException as e:
+            writer.close()
+            report_failed(staging, rank, e)
+            raise
+        if rank == 0:
+            try:
+                summaries = wait_for_ranks(staging, world, commit_timeout_s)
+                attrs["arrays"] = {k: v for g in summaries for k, v in g["arrays"].items()}
+                attrs["checksums"] = {k: v for g in summaries for k, v in g["checksums"].items()}
+                merged = {k: v for g in reversed(summaries) for k, v in g["adam_steps"].items()}
+                for pname, v in merged.items():
+                    attrs["tensors"][pname]["adam_step"] = v
+                attrs["committed"] = True
+                commit(ckpt_dir, staging, final, attrs, world)
+            except BaseException as e:
+                report_failed(staging, 0, e)
+                raise
+        else:
+            wait_for_commit(staging, final, world, commit_timeout_s)
+
+    guard(opt, pending)
+    pending._run(body)
+    pending.stats["call_s"] = time.perf_counter() - t0
+    return pending
+
+
+def _plan(opt, rank: int, chunk_bytes: int) -> dict:
+    """Which arrays this rank writes and where each parameter's rows land in them.
+
+    State arrays copy the store's arrays whole (so the snapshot's buckets map to chunks);
+    a parameter's state sits where the store keeps it. Parameter rows are packed. A
+    replicated (non-DTensor) parameter is saved by rank 0 only."""
+    infos = [i for i in opt.infos if i.distributed or rank == 0]
+    bucket_bytes = opt.store.config.bucket_bytes
+    state = {}    # layout array -> (store name, name here, dtype, numel)
+    for layout_name, (store_name, key, dtype, numel) in state_arrays(opt).items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        state[layout_name] = (store_name, array_name(rank, key, dtype), dtype, numel,
+                              bucket_bytes // itemsize * itemsize)
+    param_arrays: dict[str, tuple[torch.dtype, int]] = {}
+    params, shards = [], {}
+    for info in infos:
+        n = info.local_numel(rank if info.distributed else 0)
+        arr = array_name(rank, "param", info.dtype)
+        dtype, used = param_arrays.get(arr, (info.dtype, 0))
+        param_arrays[arr] = (dtype, used + n)
+        params.append((info, arr, used))
+        states = {"param": (arr, used)}
+        if has_state(opt, info):
+            for key, (layout_name, offset, numel) in state_offsets(opt, info).items():
+                if numel != n:
+                    raise AssertionError(f"{param_name(info)}: {numel} elements of {key} in the "
+                                         f"store, {n} in the parameter")
+                states[key] = (state[layout_name][1], offset)
+        row_rank = rank if info.distributed else 0
+        shards[param_name(info)] = shard_entry(info.row_offset(row_rank),
+                                               info.rows_per_rank[row_rank], n, states)
+    return {"infos": infos, "param_arrays": param_arrays, "params": params, "shards": shards,
+            "state_arrays": {s[0]: s[1:] for s in state.values()}}
+
+
+def _manifest(opt, step: int, world: int) -> dict:
+    """Rank 0: the generation's attributes but for what the ranks report (arrays, checksums,
+    AdamW steps): the tensor table, step, world size, parameter groups."""
+    tensors = {}
+    for info in opt.infos:
+        held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
+        tensors[param_name(info)] = tensor_entry(
+            info.shape, torch_to_zarr(info.dtype), info.kind,
+            {k: torch_to_zarr(dt) for k, dt in saved_states(opt, info).items()}, held, world)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+               if k not in ("params", "param_names") and _jsonable(v)}
+              for g in opt.param_groups]
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+            "world_size": world, "tensors": tensors, "param_groups": groups}
 
 
 def saved_states(opt, info) -> dict[str, torch.dtype]:
@@ -167,9 +209,8 @@ def saved_states(opt, info) -> dict[str, torch.dtype]:
     dtype of its chunk)."""
     out = {"param": info.dtype}
     if has_state(opt, info):
-        state_dtype = opt.layout.chunks[opt.layout.param_chunk[info.index]].state_dtype
-        for key in param_state_arrays(opt, info):
-            out[key] = torch.float32 if key == "master_param" else state_dtype
+        for key in state_offsets(opt, info):
+            out[key] = state_dtype(opt, info, key)
     return out
 
 

@@ -11,12 +11,36 @@ import torch
 
 from .sharding import ParamInfo, local_tensor
 from .state_io import _read_array, _write_array, state_key
+from .state_layout import MASTER
 
 
 def param_state_arrays(opt, info: ParamInfo) -> dict[str, str]:
     """``{torch state key: layout array name}`` for one parameter."""
     chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
     return {state_key(name): name for name in chunk.arrays}
+
+
+def state_arrays(opt) -> dict[str, tuple[str, str, torch.dtype, int]]:
+    """Every state array of this rank's layout: ``{layout name: (store array name, torch
+    state key, dtype, numel)}``. A copy of a store array (a snapshot) holds parameter
+    ``info``'s state ``key`` at ``state_offsets(opt, info)[key][1]``."""
+    return {name: (opt.array_name(name), state_key(name), dtype, numel)
+            for name, (dtype, numel) in opt.layout.arrays.items()}
+
+
+def state_offsets(opt, info: ParamInfo) -> dict[str, tuple[str, int, int]]:
+    """``{torch state key: (layout array name, first element, elements)}`` of this rank's
+    rows of ``info`` in the store's flat arrays (contiguous: the packed layout)."""
+    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+    offset, numel = chunk.offsets[info.index], chunk.sizes[info.index]
+    return {state_key(name): (name, chunk.starts[name] + offset, numel) for name in chunk.arrays}
+
+
+def state_dtype(opt, info: ParamInfo, key: str) -> torch.dtype:
+    """The dtype state ``key`` of ``info`` is kept in (masters are float32)."""
+    name = param_state_arrays(opt, info)[key]
+    return torch.float32 if name == MASTER else opt.layout.chunks[
+        opt.layout.param_chunk[info.index]].state_dtype
 
 
 def read_param_state(opt, info: ParamInfo, key: str) -> torch.Tensor:
