@@ -34,16 +34,21 @@ def store(path: str) -> dict:
             "prefetch_depth": 1, "io_threads": 2, "acquire_timeout_s": 30}
 
 
+def step_both(model, ref, opt, ref_opts, steps, rank, world):
+    """The same gradients into both models, then a step of ZeroMuon and of the reference."""
+    for step in steps:
+        set_grads(model, ref, step, rank, world)
+        opt.step()
+        for o in ref_opts:
+            o.step()
+
+
 def train_and_save(rank, world, mesh, tmp):
     model, ref = make_pair(MIXED_SHAPES, mesh, seed=3)
     opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
                    store=store(os.path.join(tmp, f"state-w{world}")))
     ref_opts = reference_optimizers(ref, MUON, ADAMW)
-    for step in range(3):
-        set_grads(model, ref, step, rank, world)
-        opt.step()
-        for o in ref_opts:
-            o.step()
+    step_both(model, ref, opt, ref_opts, range(3), rank, world)
     save_checkpoint(os.path.join(tmp, "ck"), model, opt, 3)
     if rank == 0:
         torch.save({"model": ref.state_dict(), "opts": [o.state_dict() for o in ref_opts]},
@@ -64,11 +69,7 @@ def load_and_check(rank, world, mesh, tmp, src, resave):
     assert_parity(opt, model, ref, ref_opts, rank, world, f"after load at W={world}")
     if resave:
         save_checkpoint(os.path.join(tmp, resave), model, opt, 3)
-    for step in (3, 4):
-        set_grads(model, ref, step, rank, world)
-        opt.step()
-        for o in ref_opts:
-            o.step()
+    step_both(model, ref, opt, ref_opts, (3, 4), rank, world)
     assert_parity(opt, model, ref, ref_opts, rank, world, f"two steps after load at W={world}")
     opt.close()
 

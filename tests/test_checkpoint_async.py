@@ -25,9 +25,8 @@ import offload_engine.checkpoint.rank_writer as rank_writer
 from offload_engine.checkpoint import CheckpointError, load_checkpoint, resolve, save_checkpoint
 from offload_engine.checkpoint import save_checkpoint_async
 from offload_engine.optim import ZeroMuon
-from test_checkpoint import ADAMW, MUON, load_and_check, small_run, store
-from zero_muon_harness import (MIXED_SHAPES, assert_parity, make_pair, reference_optimizers,
-                               set_grads, spawn)
+from test_checkpoint import ADAMW, MUON, load_and_check, small_run, step_both, store
+from zero_muon_harness import MIXED_SHAPES, assert_parity, make_pair, reference_optimizers, spawn
 
 
 def slow_writes(params_delay: float, bucket_delay: float) -> None:
@@ -52,21 +51,14 @@ def train_save_async_and_go_on(rank, world, mesh, tmp):
     opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
                    store=store(os.path.join(tmp, f"state-{rank}")))
     ref_opts = reference_optimizers(ref, MUON, ADAMW)
-    for step in range(3):
-        set_grads(model, ref, step, rank, world)
-        opt.step()
-        for o in ref_opts:
-            o.step()
+    step_both(model, ref, opt, ref_opts, range(3), rank, world)
     if rank == 0:  # what the checkpoint must hold: the state at the call
         torch.save({"model": ref.state_dict(), "opts": [o.state_dict() for o in ref_opts]},
                    os.path.join(tmp, "reference.pt"))
     pending = save_checkpoint_async(os.path.join(tmp, "ck"), model, opt, 3)
     assert not pending.done()  # returned while the writes are still going on
-    for step in (3, 4):        # these steps change every bucket and every parameter
-        set_grads(model, ref, step, rank, world)
-        opt.step()
-        for o in ref_opts:
-            o.step()
+    # these steps change every bucket and every parameter
+    step_both(model, ref, opt, ref_opts, (3, 4), rank, world)
     assert pending.wait(120) == os.path.join(tmp, "ck", "step-00000003")
     st = pending.stats
     assert st["step_waited_s"] > 0, "the step did not wait for the parameters to be written"
