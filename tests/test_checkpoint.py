@@ -200,7 +200,7 @@ WRITER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from zero_muon_harness import MIXED_SHAPES, make_pair
     from offload_engine.optim import ZeroMuon
-    from offload_engine.checkpoint import save_checkpoint
+    from offload_engine.checkpoint import save_checkpoint_async
     ck, state = sys.argv[1], sys.argv[2]
     shapes = dict(MIXED_SHAPES, big=(256, 512))   # ~1.5 MB of state: saves take a while
     model, _ = make_pair(shapes, None, seed=1)
@@ -215,7 +215,8 @@ WRITER = textwrap.dedent("""
         expected = {{n: p.detach().clone() for n, p in model.named_parameters()}}
         torch.save(expected, os.path.join(ck, f".expected-{{step}}.tmp"))
         os.replace(os.path.join(ck, f".expected-{{step}}.tmp"), os.path.join(ck, f"expected-{{step}}.pt"))
-        save_checkpoint(ck, model, opt, step)
+        # asynchronous: the next steps run while it is written (a save waits for the last)
+        save_checkpoint_async(ck, model, opt, step)
 """)
 
 

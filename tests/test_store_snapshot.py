@@ -97,3 +97,34 @@ def test_kept_buckets_stay_resident_and_do_not_block_a_snapshot(tmp_path):
         with pytest.raises(ValueError, match="keep"):
             s.release(kept, dirty=True)
         s.release(kept)
+
+
+def test_wait_returns_only_after_a_copy_by_an_acquire_ends(tmp_path):
+    """The background thread can run out of buckets to claim while an acquire still copies
+    the last one: the snapshot is finished only when that copy is done too."""
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 4 * B // 4)
+        run_steps(s, "m", 1)
+        worker_busy, go_on, copied = threading.Event(), threading.Event(), []
+
+        def sink(array, index, start, tensor):
+            if threading.current_thread().name == "oe-snapshot":
+                if not worker_busy.is_set():
+                    worker_busy.set()
+                    copied.append(("worker-first", index))
+                    go_on.wait(30)
+            else:
+                go_on.set()                        # let the worker finish the others now
+                time.sleep(0.3)                    # a slow inline write
+            copied.append(index)
+
+        snap = s.snapshot(sink)
+        assert worker_busy.wait(30)
+        first = copied[0][1]
+        other = next(i for i in range(4) if i != first)
+        user = threading.Thread(target=lambda: s.release(s.acquire("m", other)))
+        user.start()
+        snap.wait(30)
+        assert other in copied, "wait() returned while an acquire was still copying its bucket"
+        user.join()
+        assert sorted(i for i in copied if isinstance(i, int)) == [0, 1, 2, 3]

@@ -20,7 +20,13 @@ Sink = Callable[[str, int, int, torch.Tensor], None]
 
 
 class Snapshot:
-    """One snapshot in progress. ``wait()`` blocks until every bucket went to the sink."""
+    """One snapshot in progress. ``wait()`` blocks until every bucket went to the sink.
+
+    A bucket is claimed once, by the background thread or by a user's acquire, and counts
+    as settled when its copy ends (or, after an error, when it will never be claimed): the
+    snapshot is finished when all are settled, not when the background thread runs out of
+    buckets to claim (an acquire may still be copying the last one).
+    """
 
     def __init__(self, buckets: list, sink: Sink):
         self.sink = sink
@@ -32,6 +38,10 @@ class Snapshot:
         self.error: BaseException | None = None
         self.finished = threading.Event()
         self.thread: threading.Thread | None = None
+        self._settled = 0
+        self._count_lock = threading.Lock()
+        if not buckets:
+            self.finished.set()
 
     def take(self, bucket) -> bool:
         """Claim ``bucket`` for copying (caller holds the store lock)."""
@@ -54,11 +64,34 @@ class Snapshot:
         try:
             self.sink(bucket.array.name, bucket.index, bucket.start, tensor)
         except BaseException as e:  # recorded; wait() raises it
-            if self.error is None:
-                self.error = e
+            self.fail(e)
+            self.settle(1)
         else:
-            self.copied += 1
-            self.copied_inline += int(inline)
+            with self._count_lock:
+                self.copied += 1
+                self.copied_inline += int(inline)
+            self.settle(1)
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first error; no bucket is claimed after it."""
+        with self._count_lock:
+            if self.error is None:
+                self.error = error
+
+    def abandon_unclaimed(self) -> None:
+        """After an error (caller holds the store lock): the buckets nobody claimed never will
+        be; count them settled so that ``wait()`` returns once the claimed ones are done."""
+        n = len(self.pending_set)
+        self.pending_set.clear()
+        self.pending = []
+        self.settle(n)
+
+    def settle(self, n: int) -> None:
+        """Count ``n`` claimed or abandoned buckets as done with."""
+        with self._count_lock:
+            self._settled += n
+            if self._settled >= self.total:
+                self.finished.set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise the sink's first error (for example a full disk)."""

@@ -671,12 +671,18 @@ class TieredStore:
                     except BaseException as e:
                         b.refs -= 1
                         b.saving = False
-                        snap.error = snap.error or e
+                        snap.fail(e)
+                        snap.abandon_unclaimed()
+                        snap.settle(1)  # the bucket it had claimed
                         self._cv.notify_all()
                         break
                 self._copy_for_snapshot(b, inline=False, held=True)
+        except BaseException as e:  # never leave wait() hanging
+            snap.fail(e)
         finally:
-            snap.finished.set()
+            with self._lock:
+                if snap.error is not None:
+                    snap.abandon_unclaimed()
 
     def _copy_for_snapshot(self, b: Bucket, inline: bool, held: bool = False) -> None:
         """Hand ``b``'s bytes to the snapshot's sink (``b`` is held and marked saving)."""
