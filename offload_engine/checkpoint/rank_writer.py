@@ -8,11 +8,12 @@ Two kinds of array, two sources:
   first is copied by that step's ``acquire`` before it is changed). The bytes go from the
   pinned buffer to the file with no copy; their crc32c is taken from memory.
 - **Parameter arrays** ``rank{r}/param[.<dtype>]`` pack this rank's rows of each parameter
-  back to back. ``write_params`` reads them from the live parameters, one at a time (a
-  GPU parameter goes through one 64 MiB staging buffer); the next
-  optimizer step waits for it (a step pre-hook), so nothing changes them meanwhile.
+  back to back. ``write_params`` copies them from the live parameters (CPU or GPU) into
+  four 8 MiB page-aligned staging blocks written whole with O_DIRECT (staged_writer.py);
+  the next optimizer step waits for it (a step pre-hook), so nothing changes them meanwhile.
 
-Memory beyond the store's pinned pool: that staging buffer where CUDA is used, else none.
+Memory beyond the store's pinned pool: those 32 MiB (and as much again for GPU-homed state
+arrays, only where there are some).
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ import threading
 
 import torch
 
-from ..io import AsyncFileIO, IOFuture
+from ..io import AsyncFileIO
+from ..io.align import ALIGN
 from ..io.page_cache import sync_tree
 from ..layout import FlatArray
 from ..layout.dtypes import torch_to_zarr
 from ..layout.manifest import rank_group
 from ..optim.state_access import local_param
-from .checksums import SequentialChunkCrc, crc32c_extend, crc32c_extend_zeros, padded_crc32c
+from .checksums import SequentialChunkCrc, padded_crc32c
+from .staged_writer import StagedWriter, StagingBlocks, block_bytes_for
 
-IN_FLIGHT = 8             # parameter writes queued at once (each at most one chunk)
-STAGE_BYTES = 64 << 20    # the GPU -> CPU staging buffer (bytes)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,8 @@ class RankWriter:
         self.checksums: dict[str, list[int | None]] = {}
         self.bytes_written = 0
         self._lock = threading.Lock()
-        self._staging_buf: torch.Tensor | None = None
+        self._param_staging: StagingBlocks | None = None   # used by write_params' thread
+        self._gpu_staging: StagingBlocks | None = None     # used by the snapshot's threads
         try:
             for name, (dtype, numel) in param_arrays.items():
                 self.arrays[name] = self._create(name, numel, dtype, chunk_bytes)
@@ -91,16 +93,21 @@ class RankWriter:
         if start % arr.chunk_elems or (n and (start + n - 1) // arr.chunk_elems != chunk):
             raise AssertionError(f"{arr.path}: bucket {index} [{start}, {start + n}) is not "
                                  f"one chunk of {arr.chunk_elems} elements")
-        if tensor.device.type == "cpu":
-            arr.write_from(start, start + n, tensor).result()
+        if tensor.device.type == "cpu":  # a pooled (page-aligned) buffer: written as it is
+            aligned = n * arr.itemsize // ALIGN * ALIGN // arr.itemsize
+            futures = [arr.write_from(start + lo, start + hi, tensor[lo:hi])
+                       for lo, hi in ((0, aligned), (aligned, n)) if hi > lo]  # O_DIRECT, tail
+            for f in futures:
+                f.result()
             crc = padded_crc32c(as_bytes(tensor), arr.chunk_bytes)
-        else:  # a GPU-homed array: through the staging buffer, a piece at a time
-            crc, step = 0, STAGE_BYTES // arr.itemsize
-            for lo in range(0, n, step):
-                part = self._stage(tensor[lo:lo + step])
-                arr.write_from(start + lo, start + lo + part.numel(), part).result()
-                crc = crc32c_extend(crc, as_bytes(part))
-            crc = crc32c_extend_zeros(crc, arr.chunk_bytes - n * arr.itemsize)
+        else:  # a GPU-homed array: through staging blocks of this thread
+            if self._gpu_staging is None:
+                self._gpu_staging = StagingBlocks(block_bytes_for(arr.chunk_bytes))
+            crcs = SequentialChunkCrc(arr.chunk_bytes, n * arr.itemsize)
+            writer = StagedWriter(arr, self._gpu_staging, crcs, start=start * arr.itemsize)
+            writer.add(tensor)
+            writer.finish()
+            crc = crcs.finish()[0]
         with self._lock:
             self.checksums[self.names[store_name]][chunk] = crc
             self.bytes_written += n * arr.itemsize
@@ -108,38 +115,26 @@ class RankWriter:
     # -- parameters -------------------------------------------------------------------------
     @torch.no_grad()
     def write_params(self) -> None:
-        """Write this rank's rows of every parameter, in element order (so the chunk
-        checksums are taken as the bytes go out)."""
-        pending: list[tuple[IOFuture, torch.Tensor]] = []  # a source lives until written
+        """Write this rank's rows of every parameter, packed in element order, through
+        page-aligned staging blocks (the chunk checksums are taken as the bytes go out)."""
+        writers: dict[str, StagedWriter] = {}
         for info, name, offset in self.params:
             arr = self.arrays[name]
-            flat = local_param(info).detach().reshape(-1)
-            step = STAGE_BYTES // arr.itemsize
-            for lo in range(0, flat.numel(), step):
-                part = flat[lo:lo + step]
-                if part.device.type != "cpu" or not part.is_contiguous():
-                    while pending:  # the staging buffer is reused: drain first
-                        pending.pop(0)[0].result()
-                    part = self._stage(part)
-                self.param_crcs[name].add(as_bytes(part))
-                pending.append((arr.write_from(offset + lo, offset + lo + part.numel(), part), part))
-                while len(pending) > IN_FLIGHT:
-                    pending.pop(0)[0].result()
+            if name not in writers:
+                if self._param_staging is None or self._param_staging.nbytes != block_bytes_for(arr.chunk_bytes):
+                    self._param_staging = StagingBlocks(block_bytes_for(arr.chunk_bytes))
+                for w in writers.values():  # one array at a time: the blocks are shared
+                    w.finish()
+                writers = {name: StagedWriter(arr, self._param_staging, self.param_crcs[name])}
+            writer = writers[name]
+            if writer.pos + writer.fill != offset * arr.itemsize:
+                raise AssertionError(f"{arr.path}: parameter {info.name} planned at element "
+                                     f"{offset}, the packed stream is at byte {writer.pos + writer.fill}")
+            flat = local_param(info)
+            writer.add(flat if flat.is_contiguous() else flat.contiguous())
             self.bytes_written += flat.numel() * arr.itemsize
-        for f, _ in pending:
-            f.result()
-
-    def _stage(self, part: torch.Tensor) -> torch.Tensor:
-        """``part`` copied into the reusable CPU staging buffer (pinned where CUDA exists)."""
-        nbytes = part.numel() * part.element_size()
-        if self._staging_buf is None or self._staging_buf.numel() < nbytes:
-            pin = torch.cuda.is_available()
-            self._staging_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        out = self._staging_buf[:nbytes].view(part.dtype)
-        out.copy_(part.reshape(-1))
-        if part.device.type == "cuda":
-            torch.cuda.current_stream(part.device).synchronize()
-        return out
+        for w in writers.values():
+            w.finish()
 
     # -- the end ------------------------------------------------------------------------------
     def finish(self) -> dict:
