@@ -54,7 +54,9 @@ def _row(rec: dict) -> str:
     gbps = moved / rec["opt_s"] / 1e9 if rec["opt_s"] > 0 else 0.0
     hits = rec["hits"] + rec["misses"]
     rate = 100.0 * rec["hits"] / hits if hits else 100.0
-    mark = "  checkpoint saved" if rec.get("checkpoint") else ""
+    mark = ("  checkpoint committed" if rec.get("checkpoint") else
+            "  checkpoint started (written while training goes on)" if rec.get("checkpoint_started")
+            else "")
     return (f"  {rec['step']:4d}  {rec['loss']:7.4f}  {rec['step_s']:6.2f}  {rec['opt_s']:6.2f}  "
             f"{format_bytes(rec['read']):>10}  {format_bytes(rec['written']):>10}  {gbps:6.2f}  "
             f"{rate:5.1f}%{mark}")

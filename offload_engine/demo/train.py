@@ -41,6 +41,7 @@ class TrainConfig:
     checkpoint_steps: list[int] = field(default_factory=list)  # save after these steps
     resume: bool = False         # start from the latest checkpoint in checkpoint_dir
     kill_after: int | None = None  # the parent SIGKILLs the run once this step is reported
+    #                                and the checkpoint is committed (it is written in the background)
 
 
 def loss_bits(x: float) -> str:
@@ -85,6 +86,7 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
             start = load_checkpoint(cfg.checkpoint_dir, model, opt)
         preset = PRESETS[cfg.model]
         data = MarkovText(preset.vocab_size, min(cfg.seq_len, preset.max_seq_len), seed=1234 + cfg.seed)
+        pending = None  # a checkpoint being written while training goes on
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             x, y = data.batch(step, rank, cfg.batch_size)
@@ -98,10 +100,12 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
             dist.all_reduce(mean)
             mean = float(mean) / cfg.world_size
             st = opt.last_step_stats
-            saved = None
-            if step in cfg.checkpoint_steps:
-                from ..checkpoint import save_checkpoint
-                saved = save_checkpoint(cfg.checkpoint_dir, model, opt, step)
+            started, saved = step in cfg.checkpoint_steps, None
+            if started:
+                from ..checkpoint import save_checkpoint_async
+                pending = save_checkpoint_async(cfg.checkpoint_dir, model, opt, step)
+            elif pending is not None and pending.done():
+                saved, pending = pending.wait(), None  # committed: report it once
             if rank == 0:
                 out.put({"step": step, "loss": mean, "loss_bits": loss_bits(mean),
                          "step_s": time.perf_counter() - t0, "opt_s": st.step_s,
@@ -109,7 +113,9 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
                          "written": st.store_bytes_written.get("nvme", 0),
                          "hits": st.store_hits, "misses": st.store_misses,
                          "io_wait_s": st.store_io_wait_s, "a2a_sent": st.a2a_bytes_sent,
-                         "checkpoint": saved})
+                         "checkpoint_started": started, "checkpoint": saved})
+        if pending is not None:
+            pending.wait()
         opt.close()
         if rank == 0:
             out.put({"done": True})
@@ -124,7 +130,7 @@ def launch(cfg: TrainConfig, on_step=None, timeout_s: float = 900) -> dict:
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    records, killed, done = [], False, False
+    records, killed, done, committed = [], False, False, False
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, args=(r, cfg, rendezvous, out), daemon=True)
@@ -149,7 +155,9 @@ def launch(cfg: TrainConfig, on_step=None, timeout_s: float = 900) -> dict:
                 records.append(rec)
                 if on_step:
                     on_step(rec)
-                if cfg.kill_after is not None and rec["step"] >= cfg.kill_after:
+                committed = committed or bool(rec.get("checkpoint"))
+                if cfg.kill_after is not None and rec["step"] >= cfg.kill_after and (
+                        committed or not cfg.checkpoint_steps):  # never before the commit
                     for p in procs:
                         os.kill(p.pid, signal.SIGKILL)  # a real crash: no cleanup runs
                     killed = True
