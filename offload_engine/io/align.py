@@ -3,13 +3,16 @@
 O_DIRECT needs the buffer address, the file offset and the length to be multiples of the
 device's logical block size; 4096 bytes covers every device we target. ``torch.empty`` only
 guarantees 64-byte alignment, so aligned memory comes from an anonymous ``mmap``.
+
+torch is not imported here (it takes over a second, longer than some whole commands that
+use this package): functions that hand out tensors import it, and ``as_byte_view`` asks
+``sys.modules`` whether a buffer can be a tensor at all.
 """
 
 from __future__ import annotations
 
 import mmap
-
-import torch
+import sys
 
 ALIGN = 4096  # bytes
 
@@ -23,14 +26,22 @@ def is_aligned(value: int, align: int = ALIGN) -> bool:
     return value % align == 0
 
 
-def aligned_host_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+def aligned_host_region(nbytes: int) -> mmap.mmap:
+    """``nbytes`` (rounded up to a page, at least one) of page-aligned anonymous memory.
+    Pages are committed lazily by the kernel on first touch."""
+    size = max(round_up(nbytes), ALIGN)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def aligned_host_buffer(nbytes: int):
     """Allocate ``nbytes`` (rounded up to a page) of page-aligned host memory.
 
-    Returns the mmap (keep it alive as long as the tensor) and a uint8 tensor over it.
-    Pages are committed lazily by the kernel on first touch.
+    Returns the mmap (keep it alive as long as the tensor) and a uint8 torch tensor over
+    it (torch is imported here).
     """
-    size = max(round_up(nbytes), ALIGN)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    import torch
+
+    region = aligned_host_region(nbytes)
     tensor = torch.frombuffer(region, dtype=torch.uint8)
     assert tensor.data_ptr() % ALIGN == 0  # mmap returns page-aligned memory by definition
     return region, tensor
@@ -39,10 +50,12 @@ def aligned_host_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
 def as_byte_view(buffer) -> memoryview:
     """A writable, flat, byte-typed memoryview over ``buffer`` without copying.
 
-    Accepts a contiguous CPU torch tensor (any dtype, bfloat16 included), a numpy array,
-    bytearray, mmap or memoryview.
+    Accepts a contiguous CPU torch tensor (any dtype, bfloat16 included), a numpy array
+    (any dtype, ml_dtypes' bfloat16 included), bytearray, mmap or memoryview.
     """
-    if isinstance(buffer, torch.Tensor):
+    # A process that never imported torch (numpy) holds no tensor (array): no import here.
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None and isinstance(buffer, torch.Tensor):
         if buffer.device.type != "cpu":
             raise ValueError(f"file I/O needs a CPU tensor, got one on {buffer.device}")
         if not buffer.is_contiguous():
@@ -51,6 +64,11 @@ def as_byte_view(buffer) -> memoryview:
         if flat.numel() == 0:
             return memoryview(bytearray(0))
         return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    if np is not None and isinstance(buffer, np.ndarray):
+        # bytes first: numpy cannot export ml_dtypes' types (bfloat16) through the buffer protocol
+        if not buffer.flags.c_contiguous:
+            raise ValueError("file I/O needs a contiguous array")
+        return memoryview(buffer.reshape(-1).view(np.uint8))
     view = memoryview(buffer)
     if not view.c_contiguous:
         raise ValueError("file I/O needs a contiguous buffer")

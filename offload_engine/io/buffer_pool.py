@@ -1,21 +1,25 @@
 """One pinned, page-aligned host arena with a fixed byte budget, carved into buffers on demand.
 
-The arena is allocated once (anonymous mmap, then ``torch.frombuffer``) and, when CUDA is
-present, registered with ``cudaHostRegister`` so host<->device copies from it are true async
-DMA. Requests are served first-fit from a free list of page-aligned extents and coalesced on
-release; no memory is allocated per request. When the budget is in use, ``acquire`` waits
-(bounded by a timeout) for releases; a request larger than the whole budget fails at once.
+The arena is allocated once (anonymous mmap) and, when CUDA is present, registered with
+``cudaHostRegister`` so host<->device copies from it are true async DMA. Requests are served
+first-fit from a free list of page-aligned extents and coalesced on release; no memory is
+allocated per request. When the budget is in use, ``acquire`` waits (bounded by a timeout)
+for releases; a request larger than the whole budget fails at once.
+
+Buffers are memoryviews of the arena or, for the store and the optimizer, torch tensors over
+the same bytes (``torch.frombuffer`` of the arena, made on first use). A pool used through
+memoryviews only (consolidate) never imports torch, whose import takes longer than that
+whole command.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 
-import torch
-
-from .align import ALIGN, aligned_host_buffer, round_up
+from .align import ALIGN, address_of, aligned_host_region, round_up
 from .extents import Extents
 from .errors import PoolExhaustedError, RequestTooLargeError
 
@@ -38,15 +42,16 @@ class PooledBuffer:
         self._released = False
 
     @property
-    def bytes(self) -> torch.Tensor:
-        """uint8 tensor of ``nbytes`` elements over the buffer (no copy)."""
+    def bytes(self):
+        """uint8 torch tensor of ``nbytes`` elements over the buffer (no copy; imports torch)."""
         self._check()
         return self.pool._arena[self.offset:self.offset + self.nbytes]
 
-    def view(self, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
-        """The buffer as a 1-D tensor of ``dtype`` with ``numel`` elements (default: all that fit)."""
+    def view(self, dtype, numel: int | None = None):
+        """The buffer as a 1-D torch tensor of ``dtype`` (a torch dtype) with ``numel``
+        elements (default: all that fit). Imports torch."""
         self._check()
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if numel is None:
             numel = self.nbytes // itemsize
         if numel * itemsize > self.capacity:
@@ -64,7 +69,8 @@ class PooledBuffer:
         return self.pool._view[self.offset:self.offset + n]
 
     def data_ptr(self) -> int:
-        return self.pool._arena.data_ptr() + self.offset
+        """Address of the buffer's first byte."""
+        return self.pool.address + self.offset
 
     def release(self) -> None:
         """Give the bytes back to the pool; a second call is an error."""
@@ -90,35 +96,75 @@ class BufferPool:
 
     Args:
         budget_bytes: total bytes of the arena, rounded up to 4096.
-        pin: register the arena with CUDA; default: when ``torch.cuda.is_available()``.
+        pin: register the arena with CUDA; default (None): when ``torch.cuda.is_available()``,
+            asked only once torch is imported (see ``_decide_pin``).
     """
 
     def __init__(self, budget_bytes: int, *, pin: bool | None = None):
         if budget_bytes <= 0:
             raise ValueError(f"buffer pool budget must be positive, got {budget_bytes} bytes")
         self.capacity = round_up(budget_bytes)
-        self._mmap, self._arena = aligned_host_buffer(self.capacity)
+        self._mmap = aligned_host_region(self.capacity)
         self._view = memoryview(self._mmap)
+        self.address = address_of(self._view)  # of the arena's first byte (page-aligned)
+        self._tensor = None  # uint8 torch tensor over the arena, made on first torch use
         self.pinned = False
-        want_pin = torch.cuda.is_available() if pin is None else pin
-        if want_pin:
-            self._pin()
+        self._pin_undecided = pin is None
         self._extents = Extents(self.capacity)
         self._cond = threading.Condition()
         self._closed = False
+        if pin:
+            self._pin()
+        elif pin is None and "torch" in sys.modules:
+            self._decide_pin()
 
-    # -- pinning (CUDA only) -------------------------------------------------------------
+    # -- torch views and pinning (CUDA only) ---------------------------------------------
+    @property
+    def _arena(self):
+        """uint8 torch tensor over the whole arena; torch is imported on first use, and a
+        pool created with ``pin=None`` before torch was imported is pinned then if CUDA is
+        available."""
+        tensor = self._tensor
+        if tensor is None:
+            with self._cond:
+                if self._closed:
+                    raise RuntimeError("buffer pool is closed")
+                if self._tensor is None:
+                    import torch
+
+                    self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+                    if self._pin_undecided:
+                        self._decide_pin()
+                tensor = self._tensor
+        return tensor
+
+    def _decide_pin(self) -> None:
+        """``pin=None``: pin when CUDA is available. Asked only once torch is imported (by
+        someone else, or for a torch view of the arena): a process that never imported
+        torch has no CUDA tensors to copy to or from, and importing torch only to find out
+        would cost more than a short command (consolidate) takes in all."""
+        import torch
+
+        self._pin_undecided = False
+        if torch.cuda.is_available():
+            self._pin()
+
     def _pin(self) -> None:
+        import torch
+
+        self._pin_undecided = False
         if not torch.cuda.is_available():
             raise RuntimeError("pin=True asks for CUDA-pinned memory, but CUDA is not available")
-        rc = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self.capacity, 0)
+        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.capacity, 0)
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of {self.capacity} bytes failed with code {int(rc)}")
         self.pinned = True
 
     def _unpin(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.address)
             self.pinned = False
 
     # -- allocation ---------------------------------------------------------------------
@@ -208,7 +254,7 @@ class BufferPool:
             self._cond.notify_all()
         self._unpin()
         self._view.release()
-        del self._arena
+        self._tensor = None
         try:
             self._mmap.close()
         except BufferError:
