@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from offload_engine.checkpoint.consolidate import (TensorInfo, consolidate, output_dtype,
                                                    verify_output)
 from offload_engine.checkpoint.deepspeed import DeepSpeedSource
+from offload_engine.checkpoint.dtypes import BFLOAT16, FLOAT32, as_dtype, as_torch_view, to_torch
 from offload_engine.checkpoint.safetensors_writer import (OutTensor, parse_size, plan_files,
                                                           split_shards)
 from offload_engine.cli.main import main
@@ -201,19 +202,18 @@ def test_parse_size_decimal_like_hf():
 
 def test_split_shards_matches_hf_docstring_example():
     GB = 10**9
-    ts = [OutTensor(f"t{i}", (s * GB // 4,), torch.float32) for i, s in enumerate([6, 6, 2, 6, 2, 2])]
+    ts = [OutTensor(f"t{i}", (s * GB // 4,), FLOAT32) for i, s in enumerate([6, 6, 2, 6, 2, 2])]
     sizes = [[t.nbytes // GB for t in shard] for shard in split_shards(ts, 10 * GB)]
     assert sizes == [[6], [6, 2], [6, 2, 2]]
 
 
 def test_oversized_tensor_gets_its_own_shard_first():
-    ts = [OutTensor("a", (10,), torch.float32), OutTensor("big", (1000,), torch.float32),
-          OutTensor("b", (10,), torch.float32)]
+    ts = [OutTensor("a", (10,), FLOAT32), OutTensor("big", (1000,), FLOAT32), OutTensor("b", (10,), FLOAT32)]
     assert [[t.name for t in s] for s in split_shards(ts, 100)] == [["big"], ["a", "b"]]
 
 
 def test_headers_are_padded_and_aligned():
-    ts = [OutTensor("h", (3,), torch.bfloat16), OutTensor("i", (2,), torch.int64), OutTensor("f", (1,), torch.float32)]
+    ts = [OutTensor("h", (3,), BFLOAT16), OutTensor("i", (2,), as_dtype("int64")), OutTensor("f", (1,), FLOAT32)]
     plans, index = plan_files(ts, 10**9, {"tied": "h"})
     (plan,) = plans
     assert index is None and len(plan.header) % 8 == 0
@@ -241,7 +241,7 @@ class DictSource:
 
     def read(self, requests):
         for r in requests:
-            r.out.copy_(self.data[r.name].reshape(-1)[r.start:r.start + r.out.numel()])
+            as_torch_view(r.out).copy_(self.data[r.name].reshape(-1)[r.start:r.start + len(r.out)])
 
     def close(self):
         self.closed = True
@@ -265,7 +265,7 @@ def test_any_source_plugs_in(tmp_path):
     got, aliases = load_output(out)
     assert aliases == {"tied": "big"}
     for name, t in data.items():
-        want = t.to(output_dtype(TensorInfo(name, tuple(t.shape), t.dtype), torch.float32))
+        want = t.to(to_torch(output_dtype(TensorInfo(name, tuple(t.shape), t.dtype), torch.float32)))
         assert got[name].dtype == want.dtype and torch.equal(bits(got[name]), bits(want)), name
 
 

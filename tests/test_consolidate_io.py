@@ -10,6 +10,7 @@ from offload_engine.checkpoint import consolidate as consolidate_mod
 from offload_engine.checkpoint.consolidate import (ReadRequest, consolidate, iter_windows,
                                                    plan_output, verify_output)
 from offload_engine.checkpoint.deepspeed import DeepSpeedSource
+from offload_engine.checkpoint.dtypes import to_torch
 from offload_engine.io import AsyncFileIO
 
 from test_consolidate import DictSource, bits, load_output
@@ -113,8 +114,8 @@ def test_reader_pieces_match_whole_reads(piece):
         cut.reader.max_piece = piece
         cut.reader.trace = []
         for info in whole.tensors():
-            a = torch.empty(info.numel, dtype=info.dtype)
-            b = torch.empty(info.numel, dtype=info.dtype)
+            a = torch.empty(info.numel, dtype=to_torch(info.dtype))
+            b = torch.empty(info.numel, dtype=to_torch(info.dtype))
             whole.read([ReadRequest(info.name, 0, a)])
             cut.read([ReadRequest(info.name, 0, b)])
             assert torch.equal(bits(a), bits(b)), info.name
@@ -132,7 +133,7 @@ def test_one_window_reads_in_parallel_pieces(tmp_path):
         src.reader.max_piece = 256 * 1024
         src.reader.trace = []
         info = src.tensors()[0]
-        out = torch.empty(info.numel, dtype=info.dtype)
+        out = torch.empty(info.numel, dtype=to_torch(info.dtype))
         src.read([ReadRequest(info.name, 0, out)])
         per_file = {}
         for file, _, n in src.reader.trace:

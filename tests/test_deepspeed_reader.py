@@ -16,6 +16,7 @@ from offload_engine.checkpoint.deepspeed import DeepSpeedSource
 from offload_engine.checkpoint.deepspeed.layout import (LayoutError, fragments_layout, split_concat,
                                                         zero3_layout, zero12_layout)
 from offload_engine.checkpoint.consolidate import ReadRequest
+from offload_engine.checkpoint.dtypes import as_dtype, to_torch
 from offload_engine.checkpoint.safe_unpickler import (CheckpointFileError, Inert, TensorRef,
                                                       UnsafePickleError, load_pt)
 from offload_engine.cli.main import main
@@ -135,9 +136,9 @@ def test_lazy_tensor_spans_hold_the_right_bytes(tmp_path):
     raw = path.read_bytes()
     for name, want in objs.items():
         ref = pt.obj[name]
-        assert isinstance(ref, TensorRef) and ref.shape == tuple(want.shape) and ref.dtype == want.dtype, name
+        assert isinstance(ref, TensorRef) and ref.shape == tuple(want.shape) and ref.dtype == as_dtype(want.dtype), name
         offset, nbytes = pt.tensor_span(ref)
-        got = torch.frombuffer(bytearray(raw[offset:offset + nbytes]), dtype=ref.dtype).reshape(ref.shape)
+        got = torch.frombuffer(bytearray(raw[offset:offset + nbytes]), dtype=to_torch(ref.dtype)).reshape(ref.shape)
         assert torch.equal(got, want.detach()), name
     assert pt.obj["tagged"].attrs == {"ds_id": "7_9"}
     assert pt.obj["view"].offset == 10
@@ -161,7 +162,7 @@ def _moment_spans(pt):
 def test_adam_moments_are_never_read(fixture):
     with DeepSpeedSource(os.path.join(FIXTURES, fixture)) as src:
         src.reader.trace = []
-        src.read([ReadRequest(i.name, 0, torch.empty(i.numel, dtype=i.dtype)) for i in src.tensors()])
+        src.read([ReadRequest(i.name, 0, torch.empty(i.numel, dtype=to_torch(i.dtype))) for i in src.tensors()])
         moments = {pt.path: _moment_spans(pt) for pt in src._optims}
         assert moments and all(moments.values())
         for file, offset, nbytes in src.reader.trace:
@@ -175,9 +176,9 @@ def test_adam_moments_are_never_read(fixture):
 def test_ranged_reads_match_whole_reads():
     with DeepSpeedSource(Z3) as src:
         info = next(i for i in src.tensors() if i.name == "emb.weight")
-        whole = torch.empty(info.numel, dtype=info.dtype)
+        whole = torch.empty(info.numel, dtype=to_torch(info.dtype))
         src.read([ReadRequest(info.name, 0, whole)])
-        parts = [torch.empty(n, dtype=info.dtype) for n in (1, 196, 198, 197)]
+        parts = [torch.empty(n, dtype=to_torch(info.dtype)) for n in (1, 196, 198, 197)]
         starts = [0, 1, 197, 395]
         src.read([ReadRequest(info.name, s, p) for s, p in zip(starts, parts)])
         assert torch.equal(torch.cat(parts), whole)
@@ -378,7 +379,7 @@ def write_synthetic(root, stage, world_size, params, groups=None, sub_group_nume
 def read_all(src):
     out = {}
     for i in src.tensors():
-        t = torch.empty(i.numel, dtype=i.dtype)
+        t = torch.empty(i.numel, dtype=to_torch(i.dtype))
         src.read([ReadRequest(i.name, 0, t)])
         out[i.name] = t.reshape(i.shape)
     return out

@@ -133,18 +133,18 @@ def checkpoint_facts(path: str) -> dict:
     """Files, sizes, and the bytes our consolidate needs from them (from the metadata only)."""
     from offload_engine.checkpoint.consolidate import output_dtype, plan_output
     from offload_engine.checkpoint.deepspeed import DeepSpeedSource
-    import torch
+    from offload_engine.checkpoint.dtypes import FLOAT32
 
     with DeepSpeedSource(path) as src:
         infos = src.tensors()
-        needed = sum(i.numel * torch.empty((), dtype=i.dtype).element_size() for i in infos)
-        plans, _index, _ = plan_output(src, 5 * 10**9, torch.float32)
+        needed = sum(i.numel * i.dtype.itemsize for i in infos)
+        plans, _index, _ = plan_output(src, 5 * 10**9, FLOAT32)
         facts = {"describe": src.describe(), "tag_dir": src.tag_dir, "world_size": src.world_size,
                  "zero_stage": src.stage, "tensors": len(infos),
                  "params": sum(i.numel for i in infos if i.kind == "param"),
                  "aliases": src.aliases(), "needed_read_bytes": needed,
                  "output_bytes": sum(p.file_size for p in plans),
-                 "output_dtypes": sorted({str(output_dtype(i, torch.float32)) for i in infos})}
+                 "output_dtypes": sorted({str(output_dtype(i, FLOAT32)) for i in infos})}
         files = sorted(os.path.join(src.tag_dir, f) for f in os.listdir(src.tag_dir))
     facts["files"] = {os.path.basename(f): os.path.getsize(f) for f in files}
     facts["checkpoint_bytes"] = sum(facts["files"].values())

@@ -17,6 +17,11 @@ two being written, one staging for casts), so peak memory is independent of the 
 size and of the tensor sizes. Files are written into a
 temporary folder inside the output folder and renamed into place when all are complete
 and synced, so a failed run never leaves a half-written model behind.
+
+No torch: windows are numpy views of the pool's memory and dtypes are numpy dtypes
+(``dtypes``). Torch is imported only for a cast numpy cannot do bit for bit as torch does
+(``--dtype bf16`` from fp32 masters rounds) and by ``verify_output``: its start-up (1.3 s
+measured) would take longer than consolidating a 267M-parameter checkpoint.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
-import torch
+import numpy as np
 
 from offload_engine.io import ALIGN, AsyncFileIO, BufferPool, PooledBuffer, round_up
 
+from .dtypes import BFLOAT16, FLOAT16, FLOAT32, as_dtype, as_torch_view, cast_into, is_float, to_torch
 from .safetensors_writer import (DTYPE_CODES, INDEX_FILE, OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor,
-                                 ShardPlan, element_size, index_text, plan_files)
+                                 ShardPlan, index_text, plan_files)
 
 MiB = 1 << 20
 
@@ -46,14 +52,18 @@ MiB = 1 << 20
 class TensorInfo:
     """A tensor a source can deliver.
 
-    ``dtype`` is the dtype of the stored elements ``read`` yields; ``kind`` is "param",
-    "frozen" (a parameter without gradient) or "buffer".
+    ``dtype`` is the numpy dtype of the stored elements ``read`` yields (a torch dtype
+    given here is converted); ``kind`` is "param", "frozen" (a parameter without gradient)
+    or "buffer".
     """
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: np.dtype
     kind: str = "param"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
     @property
     def numel(self) -> int:
@@ -62,12 +72,15 @@ class TensorInfo:
 
 @dataclass
 class ReadRequest:
-    """Fill ``out`` (1-D, contiguous, CPU, the tensor's dtype) with the flattened tensor's
-    elements ``[start, start + out.numel())``."""
+    """Fill ``out`` with the flattened tensor's elements ``[start, start + len(out))``.
+
+    ``out`` is 1-D, contiguous and of the tensor's dtype: a numpy array (what ``consolidate``
+    passes: a view of its window) or a CPU torch tensor (what callers holding one pass). A
+    source that works in torch gets a tensor over either from ``dtypes.as_torch_view``."""
 
     name: str
     start: int
-    out: torch.Tensor
+    out: object
 
 
 class TensorSource(Protocol):
@@ -86,15 +99,15 @@ class TensorSource(Protocol):
         """Release files and threads."""
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": FLOAT32, "bf16": BFLOAT16, "fp16": FLOAT16}
 
 
-def output_dtype(info: TensorInfo, requested: torch.dtype) -> torch.dtype:
+def output_dtype(info: TensorInfo, requested) -> np.dtype:
     """The dtype a tensor is written in: float tensors are cast to ``requested`` (round to
     nearest even when narrowing), everything else keeps its dtype, bit for bit (an int64
     buffer of 16777217 never passes through float32). With fp32, the default, this is
     what DeepSpeed 0.19.8's zero_to_fp32 writes."""
-    return requested if info.dtype.is_floating_point else info.dtype
+    return as_dtype(requested) if is_float(info.dtype) else info.dtype
 
 
 # -- windows ----------------------------------------------------------------------------------
@@ -104,7 +117,7 @@ class Chunk:
     """Elements ``[start, start + count)`` of tensor ``info``, at byte ``out_offset`` of a window."""
 
     info: TensorInfo
-    out_dtype: torch.dtype
+    out_dtype: np.dtype
     start: int
     count: int
     out_offset: int
@@ -146,7 +159,7 @@ def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mappin
         for slot in plan.slots:
             info = infos[slot.tensor.name]
             out_dtype = slot.tensor.dtype
-            out_size, src_size = element_size(out_dtype), element_size(info.dtype)
+            out_size, src_size = out_dtype.itemsize, info.dtype.itemsize
             cast = out_dtype != info.dtype
             done, numel = 0, slot.tensor.numel
             while done < numel:
@@ -175,26 +188,26 @@ def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mappin
 
 def fill_window(source: TensorSource, win: Window, out: PooledBuffer, stage: PooledBuffer | None) -> None:
     """Read a window's chunks into ``out``: straight into place where no cast is needed,
-    else through ``stage`` and one ``copy_`` per chunk (the cast)."""
+    else through ``stage`` and one ``cast_into`` per chunk."""
     requests, casts = [], []
     stage_off = 0
-    raw = out.bytes
-    if win.header:
-        raw[:len(win.header)] = torch.frombuffer(bytearray(win.header), dtype=torch.uint8)
+    raw = np.frombuffer(out.memoryview(win.nbytes), dtype=np.uint8)
+    staging = np.frombuffer(stage.memoryview(win.stage_bytes), dtype=np.uint8) if stage is not None else None
+    raw[:len(win.header)] = np.frombuffer(win.header, dtype=np.uint8)
     for c in win.chunks:
-        nbytes = c.count * element_size(c.out_dtype)
+        nbytes = c.count * c.out_dtype.itemsize
         dest = raw[c.out_offset:c.out_offset + nbytes].view(c.out_dtype)
         if c.out_dtype == c.info.dtype:
             requests.append(ReadRequest(c.info.name, c.start, dest))
             continue
-        src_bytes = c.count * element_size(c.info.dtype)
-        staged = stage.bytes[stage_off:stage_off + src_bytes].view(c.info.dtype)
+        src_bytes = c.count * c.info.dtype.itemsize
+        staged = staging[stage_off:stage_off + src_bytes].view(c.info.dtype)
         stage_off += _stage_size(src_bytes)
         requests.append(ReadRequest(c.info.name, c.start, staged))
         casts.append((dest, staged))
     source.read(requests)
     for dest, staged in casts:
-        dest.copy_(staged)
+        cast_into(dest, staged)
 
 
 # -- the pipeline ---------------------------------------------------------------------------
@@ -213,8 +226,9 @@ class ConsolidateResult:
 
 
 def plan_output(source: TensorSource, max_shard_bytes: int,
-                dtype: torch.dtype = torch.float32) -> tuple[list[ShardPlan], dict | None, dict[str, TensorInfo]]:
+                dtype=FLOAT32) -> tuple[list[ShardPlan], dict | None, dict[str, TensorInfo]]:
     """Shard plans, index and the source tensors by name, from metadata only."""
+    dtype = as_dtype(dtype)
     infos = {}
     out = []
     for info in source.tensors():
@@ -237,13 +251,14 @@ class _Stop(Exception):
 
 
 def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 * 10**9,
-                dtype: torch.dtype = torch.float32, window_bytes: int = 64 * MiB, depth: int = 1,
+                dtype=FLOAT32, window_bytes: int = 64 * MiB, depth: int = 1,
                 progress: Callable[[int, int], None] | None = None) -> ConsolidateResult:
     """Write ``source`` to ``out_dir`` as (sharded) safetensors; see the module docstring.
 
     Args:
         max_shard_bytes: shard limit in bytes (Hugging Face's greedy rule).
-        dtype: the dtype of every float tensor written (``output_dtype``).
+        dtype: the dtype of every float tensor written (``output_dtype``): a numpy dtype
+            (``DTYPES``), or a torch dtype.
         window_bytes: bytes per I/O window (one reusable buffer).
         depth: windows filled ahead of the one being written.
         progress: called as ``progress(bytes_written, bytes_to_write)``, counting every
@@ -452,7 +467,7 @@ def _publish(tmp: str, out_dir: str, names: list[str]) -> None:
 
 # -- verification ---------------------------------------------------------------------------
 
-def verify_output(source: TensorSource, out_dir: str, dtype: torch.dtype = torch.float32,
+def verify_output(source: TensorSource, out_dir: str, dtype=FLOAT32,
                   chunk_bytes: int = 64 * MiB, limit: int = 20) -> list[str]:
     """Re-read ``out_dir`` with the ``safetensors`` library and compare it with ``source``.
 
@@ -460,9 +475,12 @@ def verify_output(source: TensorSource, out_dir: str, dtype: torch.dtype = torch
     dtype and shape, and its bytes against the source cast as ``consolidate`` casts them,
     ``chunk_bytes`` at a time (row ranges through ``get_slice``), so memory stays bounded.
     Returns up to ``limit`` problems, one line each; empty when the output matches.
+    Reads through torch (the safetensors library's torch loader; torch's own cast as the
+    reference for ours), imported here.
     """
     from safetensors import safe_open
 
+    dtype = as_dtype(dtype)
     problems: list[str] = []
 
     def problem(text: str) -> bool:
@@ -479,7 +497,7 @@ def verify_output(source: TensorSource, out_dir: str, dtype: torch.dtype = torch
         weight_map = index.get("weight_map", {})
         files = sorted(set(weight_map.values()))
         meta = index.get("metadata", {})
-        want_total = sum(i.numel * element_size(output_dtype(i, dtype)) for i in expected.values())
+        want_total = sum(i.numel * output_dtype(i, dtype).itemsize for i in expected.values())
         if meta.get("total_size") != want_total:
             problem(f"{INDEX_FILE}: total_size {meta.get('total_size')} != {want_total}")
         for alias, owner in aliases.items():
@@ -520,9 +538,11 @@ def verify_output(source: TensorSource, out_dir: str, dtype: torch.dtype = torch
     return problems
 
 
-def _verify_tensor(source, f, info: TensorInfo, out_dtype: torch.dtype, chunk_bytes: int,
+def _verify_tensor(source, f, info: TensorInfo, out_dtype: np.dtype, chunk_bytes: int,
                    fname: str, problem) -> bool:
     """Compare one tensor; True when the problem limit is reached."""
+    import torch
+
     sl = f.get_slice(info.name)
     shape = tuple(sl.get_shape())
     if sl.get_dtype() != DTYPE_CODES[out_dtype] or shape != tuple(info.shape):
@@ -535,14 +555,14 @@ def _verify_tensor(source, f, info: TensorInfo, out_dtype: torch.dtype, chunk_by
         ranges = [(0, 1, None)]
     else:
         row = numel // shape[0]
-        rows = max(1, (chunk_bytes // max(1, element_size(info.dtype))) // row)
+        rows = max(1, (chunk_bytes // info.dtype.itemsize) // row)
         ranges = [(r0, min(shape[0], r0 + rows), row) for r0 in range(0, shape[0], rows)]
     for r0, r1, row in ranges:
         got = f.get_tensor(info.name) if row is None else sl[r0:r1]
         start, count = (0, 1) if row is None else (r0 * row, (r1 - r0) * row)
-        want = torch.empty(count, dtype=info.dtype)
+        want = np.empty(count, dtype=info.dtype)
         source.read([ReadRequest(info.name, start, want)])
-        want = want.to(out_dtype)
+        want = as_torch_view(want).to(to_torch(out_dtype))
         if not torch.equal(got.reshape(-1).view(torch.uint8), want.view(torch.uint8)):
             return problem(f"{fname}: {info.name} differs from the source in elements "
                            f"[{start}, {start + count})")

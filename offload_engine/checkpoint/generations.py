@@ -11,20 +11,26 @@
 A generation is written under ``<name>.partial``, fsynced, then renamed to ``<name>`` (the
 commit point: rename is atomic), and ``latest`` is replaced last (temp file, fsync,
 rename). A crash at any moment leaves the previous generation and pointer intact.
+
+``layout`` (which imports zarr and torch) is imported by the functions that read or write
+generations, not with this module: every ``offload_engine.checkpoint`` import loads it,
+the DeepSpeed consolidation included, which needs neither.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..layout import read_group
-from ..layout.manifest import MANIFEST_VERSION, read_shard_table
-from ..layout.metadata import MetadataError, NodeNotFoundError, fsync_dir
-
 FORMAT = "offload-engine-checkpoint"
-FORMAT_VERSION = MANIFEST_VERSION
 PARTIAL = ".partial"
 LATEST = "latest"
+
+
+def __getattr__(name: str):
+    if name == "FORMAT_VERSION":  # the manifest's version, from layout (imported on first use)
+        from ..layout.manifest import MANIFEST_VERSION
+        return MANIFEST_VERSION
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CheckpointError(ValueError):
@@ -37,6 +43,8 @@ def generation_name(step: int) -> str:
 
 def write_latest(ckpt_dir: str, name: str) -> None:
     """Point ``latest`` at generation ``name`` atomically (temp, fsync, rename, fsync dir)."""
+    from ..layout.metadata import fsync_dir
+
     tmp = os.path.join(ckpt_dir, f".{LATEST}.tmp")
     with open(tmp, "w") as f:
         f.write(name + "\n")
@@ -73,6 +81,9 @@ def resolve(ckpt_dir: str, tag: str | None = None) -> str:
 
 def manifest(gen: str) -> dict:
     """The manifest of a committed generation (group attributes), checked."""
+    from ..layout import MetadataError, NodeNotFoundError, read_group
+    from ..layout.manifest import MANIFEST_VERSION
+
     try:
         attrs = read_group(gen)
     except (MetadataError, NodeNotFoundError) as e:
@@ -81,11 +92,11 @@ def manifest(gen: str) -> dict:
         raise CheckpointError(f"{os.path.join(gen, 'zarr.json')}: format is "
                               f"{attrs.get('format')!r}, not {FORMAT!r}")
     version = attrs.get("format_version", 0)
-    if version != FORMAT_VERSION:
-        why = ("newer than this reader" if isinstance(version, int) and version > FORMAT_VERSION
+    if version != MANIFEST_VERSION:
+        why = ("newer than this reader" if isinstance(version, int) and version > MANIFEST_VERSION
                else "not supported by this reader")
         raise CheckpointError(f"{os.path.join(gen, 'zarr.json')}: format version {version!r} "
-                              f"is {why} (it reads version {FORMAT_VERSION})")
+                              f"is {why} (it reads version {MANIFEST_VERSION})")
     if attrs.get("committed") is not True:
         raise CheckpointError(f"{gen}: not committed (torn write)")
     for key in ("step", "world_size", "tensors", "checksums"):
@@ -97,6 +108,9 @@ def manifest(gen: str) -> dict:
 def shard_tables(gen: str, ranks) -> dict[str, list[tuple[int, dict]]]:
     """The shard tables of ``ranks`` of a generation, merged: ``{tensor name: [(rank,
     shard entry), ...]}`` in rank order. Errors name the rank's zarr.json."""
+    from ..layout import MetadataError, NodeNotFoundError
+    from ..layout.manifest import read_shard_table
+
     out: dict[str, list[tuple[int, dict]]] = {}
     for r in ranks:
         try:

@@ -1,6 +1,11 @@
 """Our checkpoints as a consolidation source: each parameter reassembled from its row
 blocks (the ranks' shard tables, read on the first read) with every chunk read verified
-against its crc32c."""
+against its crc32c.
+
+Arrays are read through ``layout.FlatArray``, which imports zarr and torch: imported when
+the first array is opened, so that the command line, which imports this module for
+``is_our_checkpoint``, does not pay for them on DeepSpeed checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,10 @@ import math
 import os
 
 from ..io import AsyncFileIO
-from ..layout import FlatArray
-from ..layout.dtypes import zarr_to_torch
+from ..io.align import as_byte_view
 from .checksums import ChunkVerifier
 from .consolidate import TensorInfo
+from .dtypes import as_dtype
 from .generations import CheckpointError, manifest, resolve, shard_tables
 
 
@@ -42,12 +47,13 @@ class CheckpointSource:
             self.gen = resolve(path, tag)
         self.attrs = manifest(self.gen)
         self._io = AsyncFileIO(threads=4, queue_depth=4)
-        self._arrays: dict[str, FlatArray] = {}
+        self._arrays: dict = {}  # array name -> layout.FlatArray
         self._verifier = ChunkVerifier(self.gen, self.attrs["checksums"])
         self._infos = []
         for name in sorted(self.attrs["tensors"]):
             entry = self.attrs["tensors"][name]
-            self._infos.append(TensorInfo(name, tuple(entry["shape"]), zarr_to_torch(entry["dtype"])))
+            # zarr v3 data type names are the dtypes' numpy (and torch) names
+            self._infos.append(TensorInfo(name, tuple(entry["shape"]), as_dtype(entry["dtype"])))
         self._shards: dict | None = None  # {name: [(rank, shard)]}, read when first needed
         # exclude_frozen: every parameter the optimizer saw had a gradient; nothing to drop
 
@@ -61,7 +67,9 @@ class CheckpointSource:
         return (f"offload-engine checkpoint {self.gen} (step {self.attrs['step']}, world size "
                 f"{self.attrs['world_size']})")
 
-    def _array(self, name: str) -> FlatArray:
+    def _array(self, name: str):
+        from ..layout import FlatArray
+
         if name not in self._arrays:
             path = os.path.join(self.gen, name)
             try:
@@ -71,13 +79,14 @@ class CheckpointSource:
         return self._arrays[name]
 
     def read(self, requests) -> None:
-        """Fill each request's ``out`` with elements [start, start + n) of the full tensor."""
+        """Fill each request's ``out`` with elements [start, start + len(out)) of the full tensor."""
         if self._shards is None:
             self._shards = shard_tables(self.gen, range(self.attrs["world_size"]))
         for req in requests:
             shape = self.attrs["tensors"][req.name]["shape"]
             row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
-            lo, hi = req.start, req.start + req.out.numel()
+            lo, hi = req.start, req.start + len(req.out)
+            dest = as_byte_view(req.out)
             futures = []
             for _, sh in self._shards.get(req.name, []):
                 s_lo = sh["row_start"] * row_numel
@@ -89,7 +98,8 @@ class CheckpointSource:
                 flat = self._array(where["array"])
                 start = where["offset"] + (a - s_lo)
                 self._verifier.verify(where["array"], flat, start, start + b - a)
-                futures.append(flat.read_into(start, start + b - a, req.out[a - lo:b - lo]))
+                size = flat.itemsize
+                futures.append(flat.read_into(start, start + b - a, dest[(a - lo) * size:(b - lo) * size]))
             for f in futures:
                 f.result()
 

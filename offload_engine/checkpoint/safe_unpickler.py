@@ -4,16 +4,17 @@ A ``.pt`` file written by ``torch.save`` is an uncompressed zip: ``<prefix>/data
 the pickled object tree, and every tensor storage is a separate record
 ``<prefix>/data/<key>``. This module unpickles ``data.pkl`` with an allow-list and returns
 the tree with every tensor replaced by a ``TensorRef`` (storage key, dtype, offset, shape,
-stride). No storage byte is read here: callers ``pread`` exactly the records and ranges
-they need, at the byte offsets ``PtArchive.record_span`` gives. That is how the DeepSpeed
+stride; dtypes are numpy dtypes, see ``dtypes``: torch is never imported). No storage byte
+is read here: callers ``pread`` exactly the records and ranges they need, at the byte
+offsets ``PtArchive.record_span`` gives. That is how the DeepSpeed
 reader guarantees the Adam moments (``exp_avg``, ``exp_avg_sq``) are never read: their
 storages only ever exist as ``StorageRef`` keys.
 
 Security: ``pickle`` executes whatever callable a file names. ``RestrictedUnpickler`` only
 resolves globals on an explicit allow-list (containers, torch storage/dtype markers, tensor
 rebuild functions, replaced by our own). DeepSpeed, numpy and argparse classes that appear
-in checkpoints are replaced by ``Inert`` stand-ins that record their arguments and run
-nothing. Any other global (``os.system``, ``builtins.eval``, ``subprocess.Popen``, a
+in checkpoints, and ``torch.device``, are replaced by ``Inert`` stand-ins that record their
+arguments and run nothing. Any other global (``os.system``, ``builtins.eval``, ``subprocess.Popen``, a
 function of some module...) raises ``UnsafePickleError`` naming the file.
 """
 
@@ -27,7 +28,9 @@ import struct
 import zipfile
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
+
+from .dtypes import dtype_named
 
 
 class CheckpointFileError(ValueError):
@@ -48,7 +51,7 @@ class StorageRef:
     """A tensor storage record of the archive, never loaded: ``key`` names ``data/<key>``."""
 
     key: str
-    dtype: torch.dtype
+    dtype: np.dtype
     numel: int  # elements of ``dtype``
 
 
@@ -63,7 +66,7 @@ class TensorRef:
     attrs: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> np.dtype:
         return self.storage.dtype
 
     @property
@@ -152,9 +155,10 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_rest):
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_rest):
     # v3 carries the dtype separately because the storage is untyped bytes
+    if not isinstance(dtype, np.dtype):
+        raise pickle.UnpicklingError(f"tensor of dtype {dtype!r}, not a dtype")
     if isinstance(storage, StorageRef) and storage.dtype != dtype:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        storage = StorageRef(storage.key, dtype, storage.numel // itemsize)
+        storage = StorageRef(storage.key, dtype, storage.numel * storage.dtype.itemsize // dtype.itemsize)
     return _rebuild_tensor(storage, storage_offset, size, stride)
 
 
@@ -176,14 +180,13 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 _REBUILD_FUNCS = {_rebuild_tensor, _rebuild_tensor_v3, _rebuild_parameter}
 
 # torch.<X>Storage markers as written by torch.save -> element dtype
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "UntypedStorage": torch.uint8,
-    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}
-_DTYPE_NAMES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+_STORAGE_DTYPES = {marker: dtype_named(name) for marker, name in {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "UntypedStorage": "uint8",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+}.items()}
 
 
 class _TypeMarker:
@@ -198,7 +201,7 @@ class _TypeMarker:
 class _StorageMarker:
     """What ``torch.FloatStorage`` and friends resolve to: only their dtype matters."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: np.dtype):
         self.dtype = dtype
 
 
@@ -210,9 +213,9 @@ _ALLOWED = {
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
     ("builtins", "bytearray"): bytearray,
-    ("torch", "Size"): torch.Size,
+    ("torch", "Size"): tuple,  # torch.Size is a tuple subclass; shapes only need the tuple
     ("torch", "Tensor"): _TypeMarker("torch.Tensor"),
-    ("torch", "device"): torch.device,
+    ("torch", "device"): _inert_class("torch", "device"),
     ("torch.nn.parameter", "Parameter"): _TypeMarker("torch.nn.parameter.Parameter"),
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
@@ -245,8 +248,8 @@ class RestrictedUnpickler(pickle.Unpickler):
             return target
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageMarker(_STORAGE_DTYPES[name])
-        if module == "torch" and name in _DTYPE_NAMES:
-            return getattr(torch, name)
+        if module == "torch" and dtype_named(name) is not None:
+            return dtype_named(name)  # torch.float32 & co. (a dtype torch has and numpy lacks is refused)
         if module.split(".")[0] in _INERT_MODULES:
             return _inert_class(module, name)
         raise UnsafePickleError(
@@ -369,7 +372,7 @@ class PtFile:
         if not ref.is_contiguous():
             raise CheckpointFileError(f"{self.path}: non-contiguous tensor (shape {ref.shape}, "
                                       f"stride {ref.stride}) is not supported")
-        itemsize = torch.empty((), dtype=ref.dtype).element_size()
+        itemsize = ref.dtype.itemsize
         span = self.archive.record_span(ref.storage.key)
         start = ref.offset * itemsize
         nbytes = ref.numel * itemsize

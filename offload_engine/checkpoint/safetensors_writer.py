@@ -27,23 +27,17 @@ import re
 import struct
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from ..units import parse_bytes
+from .dtypes import SAFETENSORS_CODES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # what a previous export into the same folder may have left (removed before publishing)
 OUTPUT_FILE_PATTERN = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
 
-DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
+DTYPE_CODES = SAFETENSORS_CODES  # numpy dtype (bfloat16 from ml_dtypes) -> "F32", "BF16", ...
 
 def parse_size(text: str | int) -> int:
     """A positive byte count: "5GB" (decimal, 5*10**9, as Hugging Face counts), "500MB",
@@ -54,17 +48,13 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(frozen=True)
 class OutTensor:
     """One tensor as written: name, shape and output dtype."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: np.dtype
 
     @property
     def numel(self) -> int:
@@ -72,7 +62,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * element_size(self.dtype)
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -153,7 +143,7 @@ def plan_files(tensors: list[OutTensor], max_shard_bytes: int,
     weight_map: dict[str, str] = {}
     for filename, group in zip(names, groups):
         # decreasing element size keeps each tensor aligned; stable, so key order otherwise
-        ordered = sorted(group, key=lambda t: -element_size(t.dtype))
+        ordered = sorted(group, key=lambda t: -t.dtype.itemsize)
         slots, offset = [], 0
         for t in ordered:
             slots.append(Slot(t, offset))

@@ -18,30 +18,18 @@ unpickler; data is read by byte range only when asked for.
 
 from __future__ import annotations
 
-import bisect
 import math
-from dataclasses import dataclass
-
-import torch
 
 from offload_engine.io.align import as_byte_view
 
 from ..safe_unpickler import PtFile, TensorRef, load_pt
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files
 from .layout import LayoutError, zero3_layout, zero12_layout
-from .scatter_read import ScatterReader, Want
+from .scatter_read import ScatterReader, Segment, segment_wants
 from .source import _as_int, _optimizer_state, _tensor_list
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATES = ("master",) + MOMENTS
-
-
-@dataclass(frozen=True)
-class _Segment:
-    start: int   # first element of the flattened parameter
-    count: int
-    file: int    # rank (the optimizer file of that rank)
-    offset: int  # byte offset in the file
 
 
 def _inner_state(pt: PtFile, osd: dict, stage: int):
@@ -120,7 +108,7 @@ class DeepSpeedOptimStates:
         except LayoutError as e:
             raise DeepSpeedLayoutError(f"{tag_dir}: ZeRO-{self.stage} partitions do not match the "
                                        f"parameter shapes: {e}") from None
-        self._segments: dict[tuple[str, str], list[_Segment]] = {}
+        self._segments: dict[tuple[str, str], list[Segment]] = {}  # file: the rank
         self.bytes_by_rank: dict[tuple[str, str], dict[int, int]] = {}
         for state, by_src in refs.items():
             for name, pieces in layout.items():
@@ -128,12 +116,12 @@ class DeepSpeedOptimStates:
                 for p in pieces:
                     ref = by_src[p.src]
                     rank = p.src[0]
-                    size = torch.empty((), dtype=ref.dtype).element_size()
+                    size = ref.dtype.itemsize
                     if p.src_offset + p.count > ref.numel:
                         raise DeepSpeedLayoutError(f"{self._optims[rank].path}: {name} needs "
                                                    f"elements past its {state} partition")
                     base, _ = self._optims[rank].tensor_span(ref)
-                    segs.append(_Segment(p.start, p.count, rank, base + p.src_offset * size))
+                    segs.append(Segment(p.start, p.count, rank, base + p.src_offset * size))
                     per_rank[rank] = per_rank.get(rank, 0) + p.count * size
                 segs.sort(key=lambda s: s.start)
                 self._segments[(name, state)] = segs
@@ -147,28 +135,14 @@ class DeepSpeedOptimStates:
     def paths(self) -> list[str]:
         return [pt.path for pt in self._optims]
 
-    def read(self, name: str, state: str, start: int, out: torch.Tensor) -> None:
-        """Elements ``[start, start + out.numel())`` of parameter ``name``'s ``state``."""
+    def read(self, name: str, state: str, start: int, out) -> None:
+        """Elements ``[start, start + len(out))`` of parameter ``name``'s ``state`` into
+        ``out`` (1-D, a numpy array or a CPU torch tensor of the state's dtype)."""
         segments = self._segments.get((name, state))
         if segments is None:
             raise KeyError(f"no state {state!r} of parameter {name!r}")
-        itemsize = out.element_size()
-        dest = as_byte_view(out)
-        lo, hi = start, start + out.numel()
-        i = max(0, bisect.bisect_right([s.start for s in segments], lo) - 1)
-        pos, wants = lo, []
-        for seg in segments[i:]:
-            if pos >= hi:
-                break
-            if seg.start + seg.count <= pos:
-                continue
-            take = min(hi, seg.start + seg.count) - pos
-            wants.append(Want(seg.file, seg.offset + (pos - seg.start) * itemsize,
-                              dest[(pos - lo) * itemsize:(pos - lo + take) * itemsize]))
-            pos += take
-        if pos < hi:
-            raise ValueError(f"{name}/{state}: elements [{lo}, {hi}) are out of range")
-        self._reader.read(wants)
+        self._reader.read(segment_wants(segments, [s.start for s in segments], start, as_byte_view(out),
+                                        self.dtypes[state].itemsize, f"{name}/{state}"))
 
     def close(self) -> None:
         self._reader.close()

@@ -37,6 +37,42 @@ class Want:
     dest: memoryview
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[start, start + count)`` of a tensor lie at byte ``offset`` of file ``file``."""
+
+    start: int
+    count: int
+    file: int
+    offset: int
+
+
+def segment_wants(segments: list[Segment], starts: list[int], lo: int, dest: memoryview,
+                  itemsize: int, what: str) -> list[Want]:
+    """The reads that fill ``dest`` (bytes) with elements ``[lo, lo + len(dest) // itemsize)``
+    of a tensor stored as ``segments`` (sorted by ``start``; ``starts`` lists those starts).
+    ValueError naming ``what`` when the range runs past the tensor."""
+    if len(dest) % itemsize:
+        raise ValueError(f"{what}: a buffer of {len(dest)} bytes holds no whole number of "
+                         f"{itemsize}-byte elements")
+    hi = lo + len(dest) // itemsize
+    wants = []
+    pos = lo
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while pos < hi and i < len(segments):
+        seg = segments[i]
+        i += 1
+        if seg.start + seg.count <= pos:
+            continue
+        take = min(hi, seg.start + seg.count) - pos
+        wants.append(Want(seg.file, seg.offset + (pos - seg.start) * itemsize,
+                          dest[(pos - lo) * itemsize:(pos - lo + take) * itemsize]))
+        pos += take
+    if pos < hi:
+        raise ValueError(f"{what}: elements [{lo}, {hi}) are out of range")
+    return wants
+
+
 class ScatterReader:
     """Coalescing reader over a fixed list of files.
 

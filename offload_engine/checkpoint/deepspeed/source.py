@@ -13,11 +13,7 @@ parameters; tied names (``shared_params``) are aliases of their owner.
 
 from __future__ import annotations
 
-import bisect
 import math
-from dataclasses import dataclass
-
-import torch
 
 from offload_engine.io.align import as_byte_view
 
@@ -25,17 +21,7 @@ from ..consolidate import ReadRequest, TensorInfo
 from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
 from .layout import LayoutError, Piece, fragments_layout, zero3_layout, zero12_layout
-from .scatter_read import ScatterReader, Want
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """Elements ``[start, start + count)`` of a tensor lie at byte ``offset`` of file ``file``."""
-
-    start: int
-    count: int
-    file: int
-    offset: int
+from .scatter_read import ScatterReader, Segment, segment_wants
 
 
 def _as_int(value, what: str, path: str) -> int:
@@ -107,8 +93,9 @@ class DeepSpeedSource:
                                        f"checkpoints are not supported")
 
         self._infos: list[TensorInfo] = []
-        self._segments: dict[str, list[_Segment]] = {}
+        self._segments: dict[str, list[Segment]] = {}
         self._starts: dict[str, list[int]] = {}
+        self._itemsizes: dict[str, int] = {}  # bytes per element
         self._used_keys: list[set[str]] = [set() for _ in self._files]
         self._add_buffers(model0)
         if not exclude_frozen:
@@ -132,7 +119,7 @@ class DeepSpeedSource:
         if len(dtypes) > 1:
             raise DeepSpeedLayoutError(f"{home.path}: {name} is stored in mixed dtypes {dtypes}")
         dtype = dtypes.pop() if dtypes else next(iter(refs.values()))[1].dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         segments = []
         for p in pieces:
             file, ref = refs[p.src]
@@ -141,11 +128,12 @@ class DeepSpeedSource:
                 raise DeepSpeedLayoutError(f"{pt.path}: {name} needs elements past the end of its "
                                            f"{ref.numel}-element partition (corrupt or mixed files)")
             base, _ = pt.tensor_span(ref)
-            segments.append(_Segment(p.start, p.count, file, base + p.src_offset * itemsize))
+            segments.append(Segment(p.start, p.count, file, base + p.src_offset * itemsize))
             self._used_keys[file].add(ref.storage.key)
         segments.sort(key=lambda s: s.start)
         self._segments[name] = segments
         self._starts[name] = [s.start for s in segments]
+        self._itemsizes[name] = itemsize
         self._infos.append(TensorInfo(name, shape, dtype, kind))
 
     def _model_index(self, rank: int) -> int:
@@ -243,29 +231,15 @@ class DeepSpeedSource:
         return dict(self._aliases)
 
     def read(self, requests) -> None:
+        """Fill every request (``out``: a numpy array or a CPU torch tensor of the tensor's
+        dtype), one batch of reads for all."""
         wants = []
         for req in requests:
             segments = self._segments.get(req.name)
             if segments is None:
                 raise KeyError(f"no tensor {req.name!r} in {self.tag_dir}")
-            out = req.out
-            itemsize = out.element_size()
-            dest = as_byte_view(out)
-            lo, hi = req.start, req.start + out.numel()
-            i = max(0, bisect.bisect_right(self._starts[req.name], lo) - 1)
-            pos = lo
-            while pos < hi and i < len(segments):
-                seg = segments[i]
-                if seg.start + seg.count <= pos:
-                    i += 1
-                    continue
-                take = min(hi, seg.start + seg.count) - pos
-                wants.append(Want(seg.file, seg.offset + (pos - seg.start) * itemsize,
-                                  dest[(pos - lo) * itemsize:(pos - lo + take) * itemsize]))
-                pos += take
-                i += 1
-            if pos < hi:
-                raise ValueError(f"{req.name}: elements [{lo}, {hi}) are out of range")
+            wants += segment_wants(segments, self._starts[req.name], req.start, as_byte_view(req.out),
+                                   self._itemsizes[req.name], req.name)
         self._reader.read(wants)
 
     def describe(self) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from ..consolidate import ReadRequest
 from ..deepspeed import DeepSpeedSource
+from ..dtypes import to_torch
 from ..deepspeed.optim_states import DeepSpeedOptimStates
 from .model import SourceInfo, StateMeta, TensorMeta
 from .source import InspectSource, itemsize
@@ -33,13 +34,14 @@ class DeepSpeedInspectSource(InspectSource):
         tensors = []
         for info in self._src.tensors():
             numel = info.numel
+            dtype = to_torch(info.dtype)  # the readers speak numpy dtypes, inspection torch
             if info.kind == "param":
-                states = {s: StateMeta(st.dtypes[s], numel, st.bytes_by_rank[(info.name, s)])
+                states = {s: StateMeta(to_torch(st.dtypes[s]), numel, st.bytes_by_rank[(info.name, s)])
                           for s in st.states}
-                tensors.append(TensorMeta(info.name, info.shape, info.dtype, st.optimizer, states))
+                tensors.append(TensorMeta(info.name, info.shape, dtype, st.optimizer, states))
             else:
-                states = {"param": StateMeta(info.dtype, numel, {None: numel * itemsize(info.dtype)})}
-                tensors.append(TensorMeta(info.name, info.shape, info.dtype, None, states,
+                states = {"param": StateMeta(dtype, numel, {None: numel * itemsize(dtype)})}
+                tensors.append(TensorMeta(info.name, info.shape, dtype, None, states,
                                           kind=info.kind))
         self._tensors = tensors
         self._kinds = {t.name: t.kind for t in tensors}

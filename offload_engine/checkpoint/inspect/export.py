@@ -19,6 +19,7 @@ import torch
 from offload_engine.io import BufferPool
 from offload_engine.layout import dtypes as layout_dtypes
 
+from ..dtypes import as_dtype
 from ..safetensors_writer import DTYPE_CODES
 from .errors import InspectError
 from .model import TensorMeta
@@ -123,9 +124,10 @@ def _npy_header(dtype: np.dtype, shape: tuple) -> bytes:
 
 
 def _safetensors_header(name: str, state: str, dtype: torch.dtype, shape: tuple) -> bytes:
-    code = DTYPE_CODES.get(dtype)
-    if code is None:
-        raise InspectError(f"safetensors has no dtype code for {dtype}")
+    try:
+        code = DTYPE_CODES[as_dtype(dtype)]
+    except (KeyError, ValueError):
+        raise InspectError(f"safetensors has no dtype code for {dtype}") from None
     nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
     doc = {"__metadata__": {"format": "pt", "state": state},
            name: {"dtype": code, "shape": list(shape), "data_offsets": [0, nbytes]}}

@@ -17,13 +17,14 @@ import torch
 
 from offload_engine.io import AsyncFileIO
 
+from ..dtypes import to_torch
 from ..safetensors_writer import DTYPE_CODES
 from .errors import InspectError
 from .model import SourceInfo, StateMeta, TensorMeta
 from .source import InspectSource, itemsize
 
 MAX_HEADER = 100 * 1000 * 1000  # the safetensors crate's limit
-CODES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+CODES = {code: to_torch(dtype) for dtype, code in DTYPE_CODES.items()}  # inspection works in torch
 
 
 class _Entry:
