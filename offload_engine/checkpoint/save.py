@@ -112,37 +112,9 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     attrs = _manifest(opt, step, world) if rank == 0 else None
 
     def body() -> None:
-        try:
-            t = time.perf_counter()
-            writer.write_params()
-            pending.params_written.set()
-            pending.stats["params_s"] = time.perf_counter() - t
-            if snap is not None:
-                snap.wait()
-                pending.stats["inline_copies"] = snap.copied_inline
-                pending.stats["state_buckets"] = snap.total
-            summary = writer.finish()
-            pending.stats["bytes"] = writer.bytes_written
-            summary["adam_steps"] = {k: v for k, v in adam_steps.items() if v is not None}
-            report_done(staging, rank, summary)
-            pending.stats["written_s"] = time.perf_counter() - t0
-        except BaseException as e:
-            writer.close()
-            report_failed(staging, rank, e)
-            raise
+        _write_rank(pending, writer, snap, staging, rank, adam_steps, t0)
         if rank == 0:
-            try:
-                summaries = wait_for_ranks(staging, world, commit_timeout_s)
-                attrs["arrays"] = {k: v for g in summaries for k, v in g["arrays"].items()}
-                attrs["checksums"] = {k: v for g in summaries for k, v in g["checksums"].items()}
-                merged = {k: v for g in reversed(summaries) for k, v in g["adam_steps"].items()}
-                for pname, v in merged.items():
-                    attrs["tensors"][pname]["adam_step"] = v
-                attrs["committed"] = True
-                commit(ckpt_dir, staging, final, attrs, world)
-            except BaseException as e:
-                report_failed(staging, 0, e)
-                raise
+            _commit_as_rank0(ckpt_dir, staging, final, attrs, world, commit_timeout_s)
         else:
             wait_for_commit(staging, final, world, commit_timeout_s)
 
@@ -150,6 +122,51 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     pending._run(body)
     pending.stats["call_s"] = time.perf_counter() - t0
     return pending
+
+
+def _write_rank(pending: PendingCheckpoint, writer: RankWriter, snap, staging: str, rank: int,
+                adam_steps: dict, t0: float) -> None:
+    """Background: this rank's parameters, then its state (the snapshot), fsync, report."""
+    try:
+        t = time.perf_counter()
+        writer.write_params()
+        pending.params_written.set()
+        pending.stats["params_s"] = time.perf_counter() - t
+        if snap is not None:
+            snap.wait()
+            pending.stats["inline_copies"] = snap.copied_inline
+            pending.stats["state_buckets"] = snap.total
+        summary = writer.finish()
+        pending.stats["bytes"] = writer.bytes_written
+        summary["adam_steps"] = {k: v for k, v in adam_steps.items() if v is not None}
+        report_done(staging, rank, summary)
+        pending.stats["written_s"] = time.perf_counter() - t0
+    except BaseException as e:
+        if snap is not None:
+            try:  # the store's copy must end before its sink's files close
+                snap.wait()
+            except BaseException:
+                pass
+        writer.close()
+        report_failed(staging, rank, e)
+        raise
+
+
+def _commit_as_rank0(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int,
+                     timeout_s: float) -> None:
+    """Background, rank 0: merge every rank's report into the manifest and commit."""
+    try:
+        summaries = wait_for_ranks(staging, world, timeout_s)
+        attrs["arrays"] = {k: v for g in summaries for k, v in g["arrays"].items()}
+        attrs["checksums"] = {k: v for g in summaries for k, v in g["checksums"].items()}
+        steps = {k: v for g in reversed(summaries) for k, v in g["adam_steps"].items()}  # rank 0's win
+        for pname, v in steps.items():
+            attrs["tensors"][pname]["adam_step"] = v
+        attrs["committed"] = True
+        commit(ckpt_dir, staging, final, attrs, world)
+    except BaseException as e:
+        report_failed(staging, 0, e)
+        raise
 
 
 def _plan(opt, rank: int, chunk_bytes: int) -> dict:
