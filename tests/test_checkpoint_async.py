@@ -157,3 +157,64 @@ def test_async_save_writes_state_with_buckets_kept_resident(tmp_path):
         for k, v in entry.items():
             assert torch.equal(got[i][k], v), (i, k)
     opt2.close()
+
+
+def test_buffers_and_mixed_dtype_parameters_round_trip_and_consolidate(tmp_path):
+    """Persistent buffers (BatchNorm statistics, an int64 counter) are saved as they were at
+    the call, even if a forward pass changes them while the save runs; they load back and
+    consolidate bit for bit. Parameters of two dtypes pack into two arrays."""
+    from safetensors.torch import load_file
+    from torch import nn
+
+    from offload_engine.cli.main import main as cli_main
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+        m[2].to(torch.bfloat16)  # bf16 after fp32 after... (two packed parameter arrays)
+        m.register_buffer("scratch", torch.zeros(3), persistent=False)
+        return m
+
+    def forward(m, x):
+        return m[2](m[1](m[0](x)).to(torch.bfloat16)).float().square().mean()
+
+    model = make(0)
+    opt = ZeroMuon(model.named_parameters(), lr=0.02, store=store(str(tmp_path / "s")))
+    x = torch.randn(8, 12)
+    for _ in range(2):
+        forward(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert int(want["1.num_batches_tracked"]) == 2
+    pending = save_checkpoint_async(str(tmp_path / "ck"), model, opt, 2)
+    forward(model, x).backward()  # changes the BatchNorm statistics while the save runs
+    pending.wait(60)
+    opt.step()
+    opt.close()
+
+    fresh = make(1)
+    fresh.scratch.fill_(5)
+    opt2 = ZeroMuon(fresh.named_parameters(), lr=0.02, store=store(str(tmp_path / "s2")))
+    assert load_checkpoint(str(tmp_path / "ck"), fresh, opt2) == 2
+    got = fresh.state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert bool((fresh.scratch == 5).all())  # non-persistent: not saved, not touched
+    opt2.close()
+
+    out = str(tmp_path / "hf")
+    assert cli_main(["consolidate", str(tmp_path / "ck"), out, "--verify"]) == 0
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    assert set(tensors) == set(want)
+    for k in want:  # floats as fp32 (the default --dtype, as zero_to_fp32); integers as they are
+        expect = want[k].float() if want[k].is_floating_point() else want[k]
+        assert tensors[k].dtype == expect.dtype and torch.equal(tensors[k], expect), k
+
+    other = make(2)
+    other.register_buffer("extra", torch.zeros(2))
+    opt3 = ZeroMuon(other.named_parameters(), lr=0.02, store=store(str(tmp_path / "s3")))
+    with pytest.raises(CheckpointError, match="has no buffer 'extra'"):
+        load_checkpoint(str(tmp_path / "ck"), other, opt3)
+    opt3.close()

@@ -6,7 +6,7 @@ the shard tables of the saved ranks whose rows overlap it (the tensor table's ro
 says which: at the same world size, its own and rank 0's), and reads those rows from the
 saved shards (``row_start``, ``rows`` and offsets), one parameter at a time, verifying the
 crc32c of every chunk it reads. Parameters are written into the model in place; state goes
-into the optimizer's store.
+into the optimizer's store; every rank copies the persistent buffers from rank 0's shard.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..layout import FlatArray
 from ..layout.dtypes import torch_to_zarr, zarr_to_torch
 from ..layout.manifest import ranks_holding_rows, rows_per_rank
 from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
+from .buffers import persistent_buffers
 from .checksums import ChunkVerifier
 from .generations import CheckpointError, manifest, resolve, shard_tables
 from .pending import finish_previous
@@ -28,9 +29,10 @@ from .save import _collective, param_name
 
 @torch.no_grad()
 def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str | None = None) -> int:
-    """Restore parameters and optimizer state from ``ckpt_dir`` (the ``latest`` generation,
-    or ``tag``); returns the step it was saved at. Raises CheckpointError (naming the file)
-    for a missing, torn or corrupt checkpoint or one of another model."""
+    """Restore parameters, persistent buffers and optimizer state from ``ckpt_dir`` (the
+    ``latest`` generation, or ``tag``); returns the step it was saved at. Raises
+    CheckpointError (naming the file) for a missing, torn or corrupt checkpoint or one of
+    another model."""
     finish_previous(optimizer)  # a save in progress reads the parameters this overwrites
     gen = resolve(ckpt_dir, tag)
     attrs = manifest(gen)
@@ -52,6 +54,9 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
         lo, rows = info.row_offset(r), info.rows_per_rank[r]
         wanted[pname] = (info, entry, lo, rows)
         needed.update(ranks_holding_rows(rows_per_rank(entry, attrs["world_size"]), lo, lo + rows))
+    buffers = _buffers_to_restore(gen, attrs, model)
+    if buffers:
+        needed.add(0)
     shards = shard_tables(gen, sorted(needed))
     verifier = ChunkVerifier(gen, attrs["checksums"])
     io = AsyncFileIO(threads=4, queue_depth=4)
@@ -66,45 +71,54 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
                 raise CheckpointError(f"{path}: cannot open: {e}") from None
         return arrays[name]
 
+    def gather(pname: str, pieces, lo: int, rows: int, row_numel: int, key: str,
+               dtype: torch.dtype) -> torch.Tensor:
+        """Rows [lo, lo + rows) of state ``key`` of tensor ``pname`` from the saved shards
+        ``pieces`` ([(saved rank, shard entry)]), flat, verified chunk by chunk."""
+        rn = row_numel
+        out = torch.empty(rows * rn, dtype=dtype)
+        covered = 0
+        for srank, sh in pieces:
+            a, b = max(lo, sh["row_start"]), min(lo + rows, sh["row_start"] + sh["rows"])
+            if a >= b:
+                continue
+            where = sh["states"].get(key)
+            if where is None:
+                raise CheckpointError(f"{gen}: shard of rank {srank} of {pname} has no {key!r}")
+            flat = array(where["array"])
+            if flat.dtype != dtype:
+                raise CheckpointError(f"{flat.path}: holds {flat.dtype}, expected {dtype}")
+            start = where["offset"] + (a - sh["row_start"]) * rn
+            stop = start + (b - a) * rn
+            verifier.verify(where["array"], flat, start, stop)
+            flat.read_into(start, stop, out[(a - lo) * rn:(b - lo) * rn]).result()
+            covered += (b - a) * rn
+        if covered != rows * rn:
+            raise CheckpointError(f"{gen}: the saved shards of {pname} cover {covered} of "
+                                  f"the {rows * rn} elements this rank needs (missing rank?)")
+        return out
+
     try:
         for pname, (info, entry, lo, rows) in wanted.items():
-            rn = info.row_numel
-            pieces = shards.get(pname, [])  # [(saved rank, shard entry)]
-
-            def gather(key: str, dtype: torch.dtype) -> torch.Tensor:
-                out = torch.empty(rows * rn, dtype=dtype)
-                covered = 0
-                for srank, sh in pieces:
-                    a, b = max(lo, sh["row_start"]), min(lo + rows, sh["row_start"] + sh["rows"])
-                    if a >= b:
-                        continue
-                    where = sh["states"].get(key)
-                    if where is None:
-                        raise CheckpointError(f"{gen}: shard of rank {srank} of {pname} "
-                                              f"has no {key!r}")
-                    flat = array(where["array"])
-                    if flat.dtype != dtype:
-                        raise CheckpointError(f"{flat.path}: holds {flat.dtype}, expected {dtype}")
-                    start = where["offset"] + (a - sh["row_start"]) * rn
-                    stop = start + (b - a) * rn
-                    verifier.verify(where["array"], flat, start, stop)
-                    flat.read_into(start, stop, out[(a - lo) * rn:(b - lo) * rn]).result()
-                    covered += (b - a) * rn
-                if covered != rows * rn:
-                    raise CheckpointError(f"{gen}: the saved shards of {pname} cover {covered} of "
-                                          f"the {rows * rn} elements this rank needs (missing rank?)")
-                return out
-
+            pieces = shards.get(pname, [])
             param = local_param(info)
-            param.view(-1).copy_(gather("param", info.dtype).to(param.device))
+            param.view(-1).copy_(gather(pname, pieces, lo, rows, info.row_numel, "param",
+                                        info.dtype).to(param.device))
             saved_states = {k: v for k, v in entry["states"].items() if k != "param"}
             if not saved_states:
                 continue
             for key in param_state_arrays(opt, info):
                 if key not in saved_states:
                     raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
-                write_param_state(opt, info, key, gather(key, zarr_to_torch(saved_states[key])))
+                write_param_state(opt, info, key, gather(pname, pieces, lo, rows, info.row_numel,
+                                                         key, zarr_to_torch(saved_states[key])))
             mark_restored(opt, info, entry.get("adam_step"))
+        for name, buf in buffers.items():  # whole on every rank, from rank 0's copy
+            entry = tensors[name]
+            rows = entry["shape"][0] if entry["shape"] else 1
+            value = gather(name, shards.get(name, []), 0, rows, max(buf.numel(), 1) // max(rows, 1),
+                           "param", buf.dtype)
+            buf.copy_(value.view(buf.shape).to(buf.device))
         for saved, group in zip(attrs.get("param_groups", []), opt.param_groups):
             for k, v in saved.items():
                 if k in group and k != "use_muon":
@@ -112,3 +126,25 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
     finally:
         io.close()
     return int(attrs["step"])
+
+
+def _buffers_to_restore(gen: str, attrs: dict, model) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers, checked against those the checkpoint saved (none
+    for a checkpoint written before buffers were saved, or without a model)."""
+    if model is None or not attrs.get("buffers_saved"):
+        return {}
+    tensors = attrs["tensors"]
+    model_buffers = persistent_buffers(model)
+    saved = {n for n, e in tensors.items() if e.get("buffer")}
+    missing, extra = sorted(set(model_buffers) - saved), sorted(saved - set(model_buffers))
+    if missing:
+        raise CheckpointError(f"{gen}: the checkpoint has no buffer {missing[0]!r} of the model")
+    if extra:
+        raise CheckpointError(f"{gen}: the checkpoint's buffer {extra[0]!r} is not in the model")
+    for name, buf in model_buffers.items():
+        entry = tensors[name]
+        if tuple(entry["shape"]) != tuple(buf.shape) or entry["dtype"] != torch_to_zarr(buf.dtype):
+            raise CheckpointError(
+                f"{gen}: buffer {name} is {entry['dtype']} {entry['shape']} in the checkpoint "
+                f"but {torch_to_zarr(buf.dtype)} {list(buf.shape)} in the model")
+    return model_buffers

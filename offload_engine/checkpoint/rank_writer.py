@@ -29,7 +29,6 @@ from ..io.page_cache import sync_tree
 from ..layout import FlatArray
 from ..layout.dtypes import torch_to_zarr
 from ..layout.manifest import rank_group
-from ..optim.state_access import local_param
 from .checksums import SequentialChunkCrc, padded_crc32c
 from .staged_writer import StagedWriter, StagingBlocks, block_bytes_for
 
@@ -45,7 +44,8 @@ class RankWriter:
 
     Args:
         param_arrays: ``{array name: (dtype, numel)}`` of the packed parameter arrays.
-        params: ``[(ParamInfo, array name, first element)]`` in element order per array.
+        params: ``[(label, source, array name, first element)]``: ``source()`` gives the
+            tensor whose bytes go there (a live parameter shard, or a buffer's copy).
         state_arrays: ``{store array name: (array name, dtype, numel, chunk bytes)}``.
         chunk_bytes: chunk size of parameter arrays (bytes).
     """
@@ -115,26 +115,27 @@ class RankWriter:
     # -- parameters -------------------------------------------------------------------------
     @torch.no_grad()
     def write_params(self) -> None:
-        """Write this rank's rows of every parameter, packed in element order, through
-        page-aligned staging blocks (the chunk checksums are taken as the bytes go out)."""
-        writers: dict[str, StagedWriter] = {}
-        for info, name, offset in self.params:
+        """Write this rank's rows of every parameter (and rank 0's buffers), packed, through
+        page-aligned staging blocks: one array at a time, in element order, so the chunk
+        checksums are taken as the bytes go out."""
+        writer: StagedWriter | None = None
+        for label, source, name, offset in sorted(self.params, key=lambda e: (e[2], e[3])):
             arr = self.arrays[name]
-            if name not in writers:
-                if self._param_staging is None or self._param_staging.nbytes != block_bytes_for(arr.chunk_bytes):
-                    self._param_staging = StagingBlocks(block_bytes_for(arr.chunk_bytes))
-                for w in writers.values():  # one array at a time: the blocks are shared
-                    w.finish()
-                writers = {name: StagedWriter(arr, self._param_staging, self.param_crcs[name])}
-            writer = writers[name]
+            if writer is None or writer.arr is not arr:
+                if writer is not None:
+                    writer.finish()  # the staging blocks go to the next array
+                block = block_bytes_for(arr.chunk_bytes)
+                if self._param_staging is None or self._param_staging.nbytes != block:
+                    self._param_staging = StagingBlocks(block)
+                writer = StagedWriter(arr, self._param_staging, self.param_crcs[name])
             if writer.pos + writer.fill != offset * arr.itemsize:
-                raise AssertionError(f"{arr.path}: parameter {info.name} planned at element "
-                                     f"{offset}, the packed stream is at byte {writer.pos + writer.fill}")
-            flat = local_param(info)
-            writer.add(flat if flat.is_contiguous() else flat.contiguous())
-            self.bytes_written += flat.numel() * arr.itemsize
-        for w in writers.values():
-            w.finish()
+                raise AssertionError(f"{arr.path}: {label} planned at element {offset}, the "
+                                     f"packed stream is at byte {writer.pos + writer.fill}")
+            tensor = source()
+            writer.add(tensor if tensor.is_contiguous() else tensor.contiguous())
+            self.bytes_written += tensor.numel() * arr.itemsize
+        if writer is not None:
+            writer.finish()
 
     # -- the end ------------------------------------------------------------------------------
     def finish(self) -> dict:

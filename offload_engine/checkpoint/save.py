@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,11 @@ import torch.distributed as dist
 from ..layout import create_group
 from ..layout.dtypes import torch_to_zarr
 from ..layout.manifest import rank_group, shard_entry, tensor_entry, write_shard_table
-from ..optim.state_access import adam_step, has_state, state_arrays, state_dtype, state_offsets
+from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
+                                  state_offsets)
 from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
 from .generations import FORMAT, FORMAT_VERSION, PARTIAL, generation_name
+from .buffers import snapshot_buffers
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
 
@@ -56,8 +59,8 @@ def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int,
                     chunk_bytes: int = CHUNK_BYTES) -> str:
     """Write generation ``step-<step>`` of ``optimizer``'s parameters and state under
     ``ckpt_dir`` and wait until it is committed; collective over all ranks. Returns the
-    committed directory. ``model`` is accepted for symmetry with ``load_checkpoint``: the
-    optimizer's parameters are what is saved (buffers are not, yet)."""
+    committed directory. The optimizer's parameters and state are saved, and ``model``'s
+    persistent buffers (rank 0's copy)."""
     return save_checkpoint_async(ckpt_dir, model, optimizer, step, chunk_bytes=chunk_bytes).wait()
 
 
@@ -93,8 +96,9 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         dist.barrier()
 
     pending = PendingCheckpoint(final, step)
+    buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
     try:
-        plan = _plan(opt, rank, chunk_bytes)
+        plan = _plan(opt, rank, chunk_bytes, buffers)
         create_group(os.path.join(staging, rank_group(rank)), {})
         write_shard_table(staging, rank, plan["shards"])
         writer = RankWriter(staging, rank, plan["param_arrays"], plan["params"],
@@ -109,7 +113,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         report_failed(staging, rank, e)  # so that rank 0 does not wait for this rank
         raise
     adam_steps = {param_name(i): adam_step(opt, i) for i in plan["infos"]}
-    attrs = _manifest(opt, step, world) if rank == 0 else None
+    attrs = _manifest(opt, step, world, buffers) if rank == 0 else None
 
     def body() -> None:
         _write_rank(pending, writer, snap, staging, rank, adam_steps, t0)
@@ -169,12 +173,13 @@ def _commit_as_rank0(ckpt_dir: str, staging: str, final: str, attrs: dict, world
         raise
 
 
-def _plan(opt, rank: int, chunk_bytes: int) -> dict:
+def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) -> dict:
     """Which arrays this rank writes and where each parameter's rows land in them.
 
     State arrays copy the store's arrays whole (so the snapshot's buckets map to chunks);
-    a parameter's state sits where the store keeps it. Parameter rows are packed. A
-    replicated (non-DTensor) parameter is saved by rank 0 only."""
+    a parameter's state sits where the store keeps it. Parameter rows are packed, and so
+    are ``buffers`` (rank 0's copies). A replicated (non-DTensor) parameter is saved by
+    rank 0 only."""
     infos = [i for i in opt.infos if i.distributed or rank == 0]
     bucket_bytes = opt.store.config.bucket_bytes
     state = {}    # layout array -> (store name, name here, dtype, numel)
@@ -189,7 +194,7 @@ def _plan(opt, rank: int, chunk_bytes: int) -> dict:
         arr = array_name(rank, "param", info.dtype)
         dtype, used = param_arrays.get(arr, (info.dtype, 0))
         param_arrays[arr] = (dtype, used + n)
-        params.append((info, arr, used))
+        params.append((param_name(info), partial(local_param, info), arr, used))
         states = {"param": (arr, used)}
         if has_state(opt, info):
             for key, (layout_name, offset, numel) in state_offsets(opt, info).items():
@@ -200,14 +205,27 @@ def _plan(opt, rank: int, chunk_bytes: int) -> dict:
         row_rank = rank if info.distributed else 0
         shards[param_name(info)] = shard_entry(info.row_offset(row_rank),
                                                info.rows_per_rank[row_rank], n, states)
+    for name, buf in buffers.items():
+        arr = array_name(rank, "buffer", buf.dtype)
+        dtype, used = param_arrays.get(arr, (buf.dtype, 0))
+        param_arrays[arr] = (dtype, used + buf.numel())
+        params.append((f"buffer {name}", partial(buf.reshape, -1), arr, used))
+        shards[name] = shard_entry(0, buf.shape[0] if buf.dim() else 1, buf.numel(),
+                                   {"param": (arr, used)})
     return {"infos": infos, "param_arrays": param_arrays, "params": params, "shards": shards,
             "state_arrays": {s[0]: s[1:] for s in state.values()}}
 
 
-def _manifest(opt, step: int, world: int) -> dict:
+def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> dict:
     """Rank 0: the generation's attributes but for what the ranks report (arrays, checksums,
-    AdamW steps): the tensor table, step, world size, parameter groups."""
+    AdamW steps): the tensor table (parameters, then buffers, which rank 0 holds whole),
+    step, world size, parameter groups."""
     tensors = {}
+    for name, buf in buffers.items():
+        dtype = torch_to_zarr(buf.dtype)
+        tensors[name] = tensor_entry(buf.shape, dtype, None, {"param": dtype},
+                                     [buf.shape[0] if buf.dim() else 1] + [0] * (world - 1), world)
+        tensors[name]["buffer"] = True
     for info in opt.infos:
         held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
         tensors[param_name(info)] = tensor_entry(
@@ -217,7 +235,8 @@ def _manifest(opt, step: int, world: int) -> dict:
                if k not in ("params", "param_names") and _jsonable(v)}
               for g in opt.param_groups]
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-            "world_size": world, "tensors": tensors, "param_groups": groups}
+            "world_size": world, "tensors": tensors, "param_groups": groups,
+            "buffers_saved": True}
 
 
 def saved_states(opt, info) -> dict[str, torch.dtype]:

@@ -220,7 +220,8 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         optimizer = entry.get("optimizer")
         if optimizer is not None and type(optimizer) is not str:
             raise InspectError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
-        tensors.append(TensorMeta(name, shape, dtype, optimizer, states_meta))
+        kind = "buffer" if entry.get("buffer") is True else "param"
+        tensors.append(TensorMeta(name, shape, dtype, optimizer, states_meta, kind=kind))
         rows_of[name] = counts
     return tensors, rows_of
 
