@@ -76,6 +76,10 @@ def train_save_async_and_go_on(rank, world, mesh, tmp):
     with pytest.raises((CheckpointError, OSError), match="rank 1 failed|No space left"):
         pending.wait(120)
     assert not os.path.exists(os.path.join(tmp, "ck", "step-00000005"))
+
+    # saving a committed step again: an error on every rank (rank 0 finds it), no hang
+    with pytest.raises(FileExistsError, match="step-00000003: a checkpoint of step 3 is already"):
+        save_checkpoint_async(os.path.join(tmp, "ck"), model, opt, 3)
     opt.close()
 
 

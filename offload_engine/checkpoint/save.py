@@ -85,15 +85,13 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     name = generation_name(step)
     final = os.path.join(ckpt_dir, name)
     staging = final + PARTIAL
-    if rank == 0:
-        if os.path.exists(final):
-            raise FileExistsError(f"{final}: a checkpoint of step {step} is already committed")
-        os.makedirs(ckpt_dir, exist_ok=True)
-        if os.path.exists(staging):
-            shutil.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
-        os.makedirs(staging)
-    if coll:
-        dist.barrier()
+    problem = _prepare_staging(ckpt_dir, final, staging, step) if rank == 0 else None
+    if coll:  # every rank learns whether rank 0 could start, instead of waiting in a barrier
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem is not None:
+        raise problem
 
     pending = PendingCheckpoint(final, step)
     buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
@@ -126,6 +124,20 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     pending._run(body)
     pending.stats["call_s"] = time.perf_counter() - t0
     return pending
+
+
+def _prepare_staging(ckpt_dir: str, final: str, staging: str, step: int) -> BaseException | None:
+    """Rank 0: make ``<gen>.partial`` (dropping a torn one); the error, if it cannot."""
+    try:
+        if os.path.exists(final):
+            return FileExistsError(f"{final}: a checkpoint of step {step} is already committed")
+        os.makedirs(ckpt_dir, exist_ok=True)
+        if os.path.exists(staging):
+            shutil.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
+        os.makedirs(staging)
+    except OSError as e:
+        return e
+    return None
 
 
 def _write_rank(pending: PendingCheckpoint, writer: RankWriter, snap, staging: str, rank: int,
