@@ -30,7 +30,7 @@ from ..layout import FlatArray
 from ..layout.dtypes import torch_to_zarr
 from ..layout.manifest import rank_group
 from .checksums import SequentialChunkCrc, padded_crc32c
-from .staged_writer import StagedWriter, StagingBlocks, block_bytes_for
+from .staged_writer import StagedWriter, StagingBlocks
 
 
 
@@ -102,10 +102,10 @@ class RankWriter:
             crc = padded_crc32c(as_bytes(tensor), arr.chunk_bytes)
         else:  # a GPU-homed array: through staging blocks of this thread
             if self._gpu_staging is None:
-                self._gpu_staging = StagingBlocks(block_bytes_for(arr.chunk_bytes))
+                self._gpu_staging = StagingBlocks()
             crcs = SequentialChunkCrc(arr.chunk_bytes, n * arr.itemsize)
             writer = StagedWriter(arr, self._gpu_staging, crcs, start=start * arr.itemsize)
-            writer.add(tensor)
+            writer.add([tensor])
             writer.finish()
             crc = crcs.finish()[0]
         with self._lock:
@@ -118,24 +118,25 @@ class RankWriter:
         """Write this rank's rows of every parameter (and rank 0's buffers), packed, through
         page-aligned staging blocks: one array at a time, in element order, so the chunk
         checksums are taken as the bytes go out."""
-        writer: StagedWriter | None = None
-        for label, source, name, offset in sorted(self.params, key=lambda e: (e[2], e[3])):
+        by_array: dict[str, list] = {}
+        for entry in sorted(self.params, key=lambda e: (e[2], e[3])):
+            by_array.setdefault(entry[2], []).append(entry)
+        for name, entries in by_array.items():
             arr = self.arrays[name]
-            if writer is None or writer.arr is not arr:
-                if writer is not None:
-                    writer.finish()  # the staging blocks go to the next array
-                block = block_bytes_for(arr.chunk_bytes)
-                if self._param_staging is None or self._param_staging.nbytes != block:
-                    self._param_staging = StagingBlocks(block)
-                writer = StagedWriter(arr, self._param_staging, self.param_crcs[name])
-            if writer.pos + writer.fill != offset * arr.itemsize:
-                raise AssertionError(f"{arr.path}: {label} planned at element {offset}, the "
-                                     f"packed stream is at byte {writer.pos + writer.fill}")
-            tensor = source()
-            writer.add(tensor if tensor.is_contiguous() else tensor.contiguous())
-            self.bytes_written += tensor.numel() * arr.itemsize
-        if writer is not None:
-            writer.finish()
+            if self._param_staging is None:
+                self._param_staging = StagingBlocks()
+            writer = StagedWriter(arr, self._param_staging, self.param_crcs[name])
+            tensors, at = [], 0
+            for label, source, _, offset in entries:
+                if offset != at:
+                    raise AssertionError(f"{arr.path}: {label} planned at element {offset}, "
+                                         f"the packed stream is at element {at}")
+                tensor = source()
+                tensors.append(tensor if tensor.is_contiguous() else tensor.contiguous())
+                at += tensor.numel()
+            writer.add(tensors)
+            writer.finish()  # the staging blocks go to the next array
+            self.bytes_written += at * arr.itemsize
 
     # -- the end ------------------------------------------------------------------------------
     def finish(self) -> dict:

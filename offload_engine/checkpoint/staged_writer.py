@@ -10,8 +10,6 @@ The same path takes bytes from a GPU (one copy into the block, no separate stagi
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..io import IOFuture
@@ -23,17 +21,12 @@ BLOCK_BYTES = 8 << 20  # bytes per staged write
 BLOCKS = 4             # staging blocks: one filling while the others are written
 
 
-def block_bytes_for(chunk_bytes: int) -> int:
-    """The largest block (bytes, a multiple of 4096, at most BLOCK_BYTES) that never
-    straddles two chunk files of ``chunk_bytes``."""
-    return chunk_bytes if chunk_bytes <= BLOCK_BYTES else math.gcd(chunk_bytes, BLOCK_BYTES)
-
-
 class StagingBlocks:
     """``count`` page-aligned host buffers of ``nbytes`` each (bytes); reused by every
-    StagedWriter that runs on one thread."""
+    StagedWriter that runs on one thread. Pages are committed as they are first written,
+    so a small checkpoint uses little of them."""
 
-    def __init__(self, nbytes: int, count: int = BLOCKS):
+    def __init__(self, nbytes: int = BLOCK_BYTES, count: int = BLOCKS):
         self.nbytes = nbytes
         self.buffers = [aligned_host_buffer(nbytes) for _ in range(count)]  # (mmap, uint8 tensor)
 
@@ -46,32 +39,39 @@ class StagedWriter:
 
     def __init__(self, arr: FlatArray, staging: StagingBlocks, checksums: SequentialChunkCrc,
                  start: int = 0):
-        if arr.chunk_bytes % staging.nbytes or start % arr.chunk_bytes:
-            raise ValueError(f"{arr.path}: staging blocks of {staging.nbytes} bytes from byte "
-                             f"{start} straddle its {arr.chunk_bytes}-byte chunks")
+        if start % ALIGN or staging.nbytes % ALIGN:
+            # a block may span two chunk files: both pieces stay page-aligned, since chunk
+            # files are whole pages
+            raise ValueError(f"{arr.path}: staged writes start at byte {start} with blocks of "
+                             f"{staging.nbytes} bytes; both must be multiples of {ALIGN}")
         self.arr = arr
         self.staging = staging
         self.checksums = checksums
         self.pos = start      # array bytes already handed to a write
         self.fill = 0         # bytes in the current block
+        self.parts: list[torch.Tensor] = []  # uint8 views of what the current block will hold
         self.cur = 0          # which staging block is filling
         self.inflight: list[list[IOFuture]] = [[] for _ in staging.buffers]
 
-    def add(self, src: torch.Tensor) -> None:
-        """Append the bytes of ``src`` (a contiguous tensor of the array's dtype, on any
-        device)."""
-        data = src.detach().reshape(-1).view(torch.uint8)
-        taken, total = 0, data.numel()
-        while taken < total:
-            block = self._filling()
-            n = min(self.staging.nbytes - self.fill, total - taken)
-            block[self.fill:self.fill + n].copy_(data[taken:taken + n])
-            if data.device.type == "cuda":
-                torch.cuda.current_stream(data.device).synchronize()
-            self.fill += n
-            taken += n
-            if self.fill == self.staging.nbytes:
-                self._write_block()
+    def add(self, sources: list[torch.Tensor]) -> None:
+        """Append the bytes of each tensor of ``sources`` (contiguous, the array's dtype, on
+        any device), in order.
+
+        The bytes are gathered into a block when it is written, with one ``torch.cat`` for
+        the whole block rather than a copy per tensor: while the training thread holds the
+        GIL, each call that releases it (a copy, a wait) can cost this thread a switch
+        interval (5 ms) to get it back. The tensors must not change until written.
+        """
+        for src in sources:
+            data = src.detach().reshape(-1).view(torch.uint8)
+            taken, total = 0, data.numel()
+            while taken < total:
+                n = min(self.staging.nbytes - self.fill, total - taken)
+                self.parts.append(data[taken:taken + n])
+                self.fill += n
+                taken += n
+                if self.fill == self.staging.nbytes:
+                    self._write_block()
 
     def finish(self) -> None:
         """Write the last, partial block and wait for every write."""
@@ -92,6 +92,9 @@ class StagedWriter:
         if not self.fill:
             return
         region, block = self.staging.buffers[self.cur]
+        self._filling()
+        _gather(self.parts, block[:self.fill])
+        self.parts = []
         self.checksums.add(block[:self.fill])
         view = memoryview(region)
         item = self.arr.itemsize
@@ -104,3 +107,16 @@ class StagedWriter:
         self.pos += self.fill
         self.fill = 0
         self.cur = (self.cur + 1) % len(self.staging.buffers)
+
+
+def _gather(parts: list[torch.Tensor], dest: torch.Tensor) -> None:
+    """Copy the uint8 tensors ``parts`` back to back into ``dest`` (a CPU uint8 tensor)."""
+    if len(parts) > 1 and all(p.device.type == "cpu" for p in parts):
+        torch.cat(parts, out=dest)
+        return
+    pos = 0
+    for p in parts:
+        dest[pos:pos + p.numel()].copy_(p)
+        pos += p.numel()
+    for device in {p.device for p in parts if p.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
