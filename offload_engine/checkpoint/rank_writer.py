@@ -33,7 +33,6 @@ from .checksums import SequentialChunkCrc, padded_crc32c
 from .staged_writer import StagedWriter, StagingBlocks
 
 
-
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU tensor (no copy)."""
     return t.reshape(-1).view(torch.uint8)
@@ -126,15 +125,15 @@ class RankWriter:
             if self._param_staging is None:
                 self._param_staging = StagingBlocks()
             writer = StagedWriter(arr, self._param_staging, self.param_crcs[name])
-            tensors, at = [], 0
+            at = 0
             for label, source, _, offset in entries:
                 if offset != at:
                     raise AssertionError(f"{arr.path}: {label} planned at element {offset}, "
                                          f"the packed stream is at element {at}")
                 tensor = source()
-                tensors.append(tensor if tensor.is_contiguous() else tensor.contiguous())
+                # one at a time: a non-contiguous tensor's copy lives only until written
+                writer.add([tensor if tensor.is_contiguous() else tensor.contiguous()])
                 at += tensor.numel()
-            writer.add(tensors)
             writer.finish()  # the staging blocks go to the next array
             self.bytes_written += at * arr.itemsize
 
