@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from .sharding import ParamInfo, local_tensor
-from .state_io import _read_array, _write_array, state_key
-from .state_layout import MASTER
+from .state_io import _write_array, state_key
 
 
 def param_state_arrays(opt, info: ParamInfo) -> dict[str, str]:
@@ -37,24 +36,14 @@ def state_offsets(opt, info: ParamInfo) -> dict[str, tuple[str, int, int]]:
 
 
 def state_dtype(opt, info: ParamInfo, key: str) -> torch.dtype:
-    """The dtype state ``key`` of ``info`` is kept in (masters are float32)."""
-    name = param_state_arrays(opt, info)[key]
-    return torch.float32 if name == MASTER else opt.layout.chunks[
-        opt.layout.param_chunk[info.index]].state_dtype
-
-
-def read_param_state(opt, info: ParamInfo, key: str) -> torch.Tensor:
-    """This rank's rows of state ``key`` of ``info`` as a flat CPU tensor (a copy)."""
-    name = param_state_arrays(opt, info)[key]
-    return _read_array(opt, info, name).reshape(-1).cpu()
+    """The dtype state ``key`` of ``info`` is kept in: its layout array's."""
+    return opt.layout.arrays[param_state_arrays(opt, info)[key]][0]
 
 
 def write_param_state(opt, info: ParamInfo, key: str, flat: torch.Tensor) -> None:
     """Set this rank's rows of state ``key`` of ``info`` from a flat tensor."""
     name = param_state_arrays(opt, info)[key]
-    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
-    dtype = torch.float32 if key == "master_param" else chunk.state_dtype
-    _write_array(opt, info, name, flat.to(dtype=dtype, device=opt.device))
+    _write_array(opt, info, name, flat.to(dtype=opt.layout.arrays[name][0], device=opt.device))
 
 
 def adam_step(opt, info: ParamInfo) -> float | None:
