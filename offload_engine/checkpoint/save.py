@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..layout import create_group
 from ..layout.dtypes import torch_to_zarr
-from ..layout.manifest import rank_group, shard_entry, tensor_entry, write_shard_table
+from ..layout.manifest import rank_group, shard_entry, tensor_entry, tensor_rows, write_shard_table
 from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
                                   state_offsets)
 from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
@@ -194,38 +194,40 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) ->
     rank 0 only."""
     infos = [i for i in opt.infos if i.distributed or rank == 0]
     bucket_bytes = opt.store.config.bucket_bytes
-    state = {}    # layout array -> (store name, name here, dtype, numel)
+    names = {}         # layout array -> its name here
+    copies = {}        # store array -> (name here, dtype, numel, chunk bytes = its bucket)
     for layout_name, (store_name, key, dtype, numel) in state_arrays(opt).items():
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        state[layout_name] = (store_name, array_name(rank, key, dtype), dtype, numel,
-                              bucket_bytes // itemsize * itemsize)
+        names[layout_name] = array_name(rank, key, dtype)
+        copies[store_name] = (names[layout_name], dtype, numel,
+                              bucket_bytes // dtype.itemsize * dtype.itemsize)
     param_arrays: dict[str, tuple[torch.dtype, int]] = {}
     params, shards = [], {}
+
+    def pack(label: str, source, kind: str, dtype: torch.dtype, n: int) -> tuple[str, int]:
+        """Append ``n`` elements to the packed array of ``kind`` and ``dtype``."""
+        arr = array_name(rank, kind, dtype)
+        used = param_arrays.get(arr, (dtype, 0))[1]
+        param_arrays[arr] = (dtype, used + n)
+        params.append((label, source, arr, used))
+        return arr, used
+
     for info in infos:
         n = info.local_numel(rank if info.distributed else 0)
-        arr = array_name(rank, "param", info.dtype)
-        dtype, used = param_arrays.get(arr, (info.dtype, 0))
-        param_arrays[arr] = (dtype, used + n)
-        params.append((param_name(info), partial(local_param, info), arr, used))
-        states = {"param": (arr, used)}
+        states = {"param": pack(param_name(info), partial(local_param, info), "param", info.dtype, n)}
         if has_state(opt, info):
             for key, (layout_name, offset, numel) in state_offsets(opt, info).items():
                 if numel != n:
                     raise AssertionError(f"{param_name(info)}: {numel} elements of {key} in the "
                                          f"store, {n} in the parameter")
-                states[key] = (state[layout_name][1], offset)
+                states[key] = (names[layout_name], offset)
         row_rank = rank if info.distributed else 0
         shards[param_name(info)] = shard_entry(info.row_offset(row_rank),
                                                info.rows_per_rank[row_rank], n, states)
     for name, buf in buffers.items():
-        arr = array_name(rank, "buffer", buf.dtype)
-        dtype, used = param_arrays.get(arr, (buf.dtype, 0))
-        param_arrays[arr] = (dtype, used + buf.numel())
-        params.append((f"buffer {name}", partial(buf.reshape, -1), arr, used))
-        shards[name] = shard_entry(0, buf.shape[0] if buf.dim() else 1, buf.numel(),
-                                   {"param": (arr, used)})
+        where = pack(f"buffer {name}", partial(buf.reshape, -1), "buffer", buf.dtype, buf.numel())
+        shards[name] = shard_entry(0, tensor_rows(buf.shape), buf.numel(), {"param": where})
     return {"infos": infos, "param_arrays": param_arrays, "params": params, "shards": shards,
-            "state_arrays": {s[0]: s[1:] for s in state.values()}}
+            "state_arrays": copies}
 
 
 def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> dict:
@@ -236,7 +238,7 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
     for name, buf in buffers.items():
         dtype = torch_to_zarr(buf.dtype)
         tensors[name] = tensor_entry(buf.shape, dtype, None, {"param": dtype},
-                                     [buf.shape[0] if buf.dim() else 1] + [0] * (world - 1), world)
+                                     [tensor_rows(buf.shape)] + [0] * (world - 1), world)
         tensors[name]["buffer"] = True
     for info in opt.infos:
         held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
