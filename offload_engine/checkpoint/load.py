@@ -11,6 +11,7 @@ into the optimizer's store; every rank copies the persistent buffers from rank 0
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from ..io import AsyncFileIO
 from ..layout import FlatArray
 from ..layout.dtypes import torch_to_zarr, zarr_to_torch
-from ..layout.manifest import ranks_holding_rows, rows_per_rank
+from ..layout.manifest import ranks_holding_rows, rows_per_rank, tensor_rows
 from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
 from .buffers import persistent_buffers
 from .checksums import ChunkVerifier
@@ -114,9 +115,8 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
                                                          key, zarr_to_torch(saved_states[key])))
             mark_restored(opt, info, entry.get("adam_step"))
         for name, buf in buffers.items():  # whole on every rank, from rank 0's copy
-            entry = tensors[name]
-            rows = entry["shape"][0] if entry["shape"] else 1
-            value = gather(name, shards.get(name, []), 0, rows, max(buf.numel(), 1) // max(rows, 1),
+            row_numel = math.prod(buf.shape[1:])
+            value = gather(name, shards.get(name, []), 0, tensor_rows(buf.shape), row_numel,
                            "param", buf.dtype)
             buf.copy_(value.view(buf.shape).to(buf.device))
         for saved, group in zip(attrs.get("param_groups", []), opt.param_groups):
