@@ -9,6 +9,7 @@ vouch for is refused with an error that names the file and the feature, never gu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -103,17 +104,17 @@ def compact_json(doc) -> str:
     return json.dumps(doc, allow_nan=False, **_COMPACT)
 
 
-def write_text_atomic(file: str | os.PathLike, text: str) -> None:
-    """Replace ``file`` with ``text``: a temporary file in the same directory, fsynced,
-    renamed over ``file``, and the directory fsynced so the rename itself survives a crash."""
+@contextlib.contextmanager
+def replacing(file: str | os.PathLike):
+    """Yield a temporary path next to ``file``; when the block ends without an error, rename
+    it over ``file`` and fsync the directory so the rename itself survives a crash. On an
+    error the temporary file is removed and ``file`` is untouched. Writers fsync the
+    temporary file themselves (they know when its bytes are complete)."""
     file = os.fspath(file)
     directory = os.path.dirname(os.path.abspath(file))
     tmp = os.path.join(directory, f".{os.path.basename(file)}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, file)
     except BaseException:
         try:
@@ -122,6 +123,16 @@ def write_text_atomic(file: str | os.PathLike, text: str) -> None:
             pass
         raise
     fsync_dir(directory)
+
+
+def write_text_atomic(file: str | os.PathLike, text: str) -> None:
+    """Replace ``file`` with ``text``: a temporary file in the same directory, fsynced,
+    renamed over ``file``, and the directory fsynced."""
+    with replacing(file) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

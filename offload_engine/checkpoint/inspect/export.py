@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import uuid
 
 import numpy as np
 import torch
 
 from offload_engine.io import BufferPool
 from offload_engine.layout import dtypes as layout_dtypes
+from offload_engine.layout.metadata import replacing
 
 from ..dtypes import as_dtype
 from ..safetensors_writer import DTYPE_CODES
@@ -67,8 +67,7 @@ def export_tensor(source: InspectSource, name: str, out_path: str, state: str | 
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
         raise InspectError(f"{out_path}: the folder {out_dir} does not exist")
-    tmp = os.path.join(out_dir, f".{os.path.basename(out_path)}.{uuid.uuid4().hex}.tmp")
-    try:
+    with replacing(out_path) as tmp:
         if ext == ".pt":
             full = torch.empty(t.numel, dtype=src_dtype)
             source.read(t.name, state, 0, full)
@@ -83,13 +82,6 @@ def export_tensor(source: InspectSource, name: str, out_path: str, state: str | 
                 _stream(source, t, state, out_dtype, f, window_bytes)
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
     return {"name": name, "state": state, "shape": list(t.shape),
             "dtype": str(out_dtype).removeprefix("torch."), "path": out_path,
             "bytes": os.path.getsize(out_path)}
