@@ -255,11 +255,13 @@ def _rank_main(rank, world, a, out_prefix):
         json.dump(result, f)
 
 
-def _spawn(a: dict) -> list[dict]:
+def _spawn(a: dict, rank_main) -> list[dict]:
+    """Run ``rank_main(rank, world, a, prefix)`` in ``a["world"]`` processes; each writes
+    ``<prefix>.rank<r>.json``; returns them in rank order."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         prefix = os.path.join(d, "out")
-        mp.spawn(_rank_main, args=(a["world"], a, prefix), nprocs=a["world"], join=True)
+        mp.spawn(rank_main, args=(a["world"], a, prefix), nprocs=a["world"], join=True)
         out = []
         for r in range(a["world"]):
             with open(f"{prefix}.rank{r}.json") as f:
@@ -391,8 +393,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         a = json.loads(args.worker)
-        spawn = _spawn_deepspeed if a.get("deepspeed") else _spawn
-        print("BENCH_RESULT " + json.dumps({"ranks": spawn(a)}))
+        ranks = _spawn(a, _ds_rank_main if a.get("deepspeed") else _rank_main)
+        print("BENCH_RESULT " + json.dumps({"ranks": ranks}))
         return 0
     if not args.path or not os.path.isdir(args.path):
         print("bench_step: --path must be an existing directory", file=sys.stderr)
@@ -511,18 +513,6 @@ def _ds_rank_main(rank, world, a, out_prefix):
                           "disk_read": io1[0] - io0[0], "disk_write": io1[1] - io0[1]})
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "steps": steps}, f)
-
-
-def _spawn_deepspeed(a: dict) -> list[dict]:
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        prefix = os.path.join(d, "out")
-        mp.spawn(_ds_rank_main, args=(a["world"], a, prefix), nprocs=a["world"], join=True)
-        out = []
-        for r in range(a["world"]):
-            with open(f"{prefix}.rank{r}.json") as f:
-                out.append(json.load(f))
-    return out
 
 
 if __name__ == "__main__":
