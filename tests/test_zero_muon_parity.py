@@ -36,6 +36,16 @@ CASES = [
 ]
 
 
+def step_and_zero(opt, ref_opts, scheds) -> None:
+    """One step of ZeroMuon and of the references, their schedulers, then zero_grad."""
+    for o in (opt, *ref_opts):
+        o.step()
+    for s in scheds:
+        s.step()
+    for o in (opt, *ref_opts):
+        o.zero_grad()
+
+
 def store_config(kind: str, path: str) -> dict:
     if kind == "cpu":
         return {"default_home": "cpu", "bucket_bytes": KiB, "cpu_budget": 64 * KiB}
@@ -68,14 +78,7 @@ def run_case(rank, world, mesh, case_no, tmp):
                 assert torch.allclose(total, torch.nn.utils.get_total_norm(
                     [q.grad for q in ref.parameters()]), rtol=1e-5)
                 torch.nn.utils.clip_grads_with_norm_(ref.parameters(), extra["clip"], total)
-            opt.step()
-            for o in ref_opts:
-                o.step()
-            for s in scheds:
-                s.step()
-            opt.zero_grad()
-            for o in ref_opts:
-                o.zero_grad()
+            step_and_zero(opt, ref_opts, scheds)
             assert all(p.grad is None for p in model.parameters())
             assert_parity(opt, model, ref, ref_opts, rank, world, f"W={world} case {case_no} step {step}")
         st = opt.last_step_stats
@@ -126,14 +129,7 @@ def run_training(rank, world, mesh, tmp):
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor()
             for (n, p), q in zip(model.named_parameters(), ref.parameters()):
                 q.grad = p.grad.full_tensor()   # already clipped: the reference sees the same
-            opt.step()
-            for o in ref_opts:
-                o.step()
-            for s in scheds:
-                s.step()
-            opt.zero_grad()
-            for o in ref_opts:
-                o.zero_grad()
+            step_and_zero(opt, ref_opts, scheds)
             assert total > 0.05  # clipping was active
             assert_parity(opt, model, ref, ref_opts, rank, world, f"training W={world} step {step}")
     finally:
