@@ -96,9 +96,9 @@ class RankWriter:
             aligned = n * arr.itemsize // ALIGN * ALIGN // arr.itemsize
             futures = [arr.write_from(start + lo, start + hi, tensor[lo:hi])
                        for lo, hi in ((0, aligned), (aligned, n)) if hi > lo]  # O_DIRECT, tail
+            crc = padded_crc32c(as_bytes(tensor), arr.chunk_bytes)  # while the write runs
             for f in futures:
                 f.result()
-            crc = padded_crc32c(as_bytes(tensor), arr.chunk_bytes)
         else:  # a GPU-homed array: through staging blocks of this thread
             if self._gpu_staging is None:
                 self._gpu_staging = StagingBlocks()

@@ -81,29 +81,24 @@ class StagedWriter:
                 f.result()
             futures.clear()
 
-    def _filling(self) -> torch.Tensor:
-        """The block being filled, once its previous write has ended."""
-        for f in self.inflight[self.cur]:
-            f.result()
-        self.inflight[self.cur].clear()
-        return self.staging.buffers[self.cur][1]
-
     def _write_block(self) -> None:
+        """Copy the pending parts into the current block (once its previous write ended),
+        start writing it, and checksum it while the write runs."""
         if not self.fill:
             return
         region, block = self.staging.buffers[self.cur]
-        self._filling()
+        for f in self.inflight[self.cur]:
+            f.result()
         _gather(self.parts, block[:self.fill])
         self.parts = []
-        self.checksums.add(block[:self.fill])
         view = memoryview(region)
         item = self.arr.itemsize
         first = self.pos // item
         aligned = self.fill // ALIGN * ALIGN  # the whole block but at the array's very end
-        pieces = [(0, aligned), (aligned, self.fill)]
         self.inflight[self.cur] = [
             self.arr.write_from(first + lo // item, first + hi // item, view[lo:hi])
-            for lo, hi in pieces if hi > lo]
+            for lo, hi in ((0, aligned), (aligned, self.fill)) if hi > lo]
+        self.checksums.add(block[:self.fill])
         self.pos += self.fill
         self.fill = 0
         self.cur = (self.cur + 1) % len(self.staging.buffers)
