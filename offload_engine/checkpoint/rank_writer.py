@@ -146,12 +146,17 @@ class RankWriter:
         missing = [(n, i) for n, c in self.checksums.items() for i, v in enumerate(c) if v is None]
         if missing:
             raise AssertionError(f"{self.staging}: chunks never written: {missing[:4]}")
-        self.io.close()
+        self.close()
         sync_tree(os.path.join(self.staging, rank_group(self.rank)))
         return {"checksums": self.checksums,
                 "arrays": {n: {"dtype": torch_to_zarr(a.dtype), "numel": a.numel}
                            for n, a in self.arrays.items()}}
 
     def close(self) -> None:
+        """Stop the I/O threads and free the staging blocks (after a failure too)."""
         self.io.close()
+        for staging in (self._param_staging, self._gpu_staging):
+            if staging is not None:
+                staging.close()
+        self._param_staging = self._gpu_staging = None
 

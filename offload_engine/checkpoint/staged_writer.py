@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..io import IOFuture
-from ..io.align import ALIGN, aligned_host_buffer
+from ..io import BufferPool, IOFuture
+from ..io.align import ALIGN
 from ..layout import FlatArray
 from .checksums import SequentialChunkCrc
 
@@ -22,13 +22,20 @@ BLOCKS = 4             # staging blocks: one filling while the others are writte
 
 
 class StagingBlocks:
-    """``count`` page-aligned host buffers of ``nbytes`` each (bytes); reused by every
+    """``count`` page-aligned host buffers of ``nbytes`` each (bytes) from one BufferPool
+    (CUDA-pinned where CUDA is available, so GPU copies into them are DMA); reused by every
     StagedWriter that runs on one thread. Pages are committed as they are first written,
-    so a small checkpoint uses little of them."""
+    so a small checkpoint uses little of them. ``close`` when done."""
 
     def __init__(self, nbytes: int = BLOCK_BYTES, count: int = BLOCKS):
         self.nbytes = nbytes
-        self.buffers = [aligned_host_buffer(nbytes) for _ in range(count)]  # (mmap, uint8 tensor)
+        self._pool = BufferPool(count * nbytes)
+        blocks = [self._pool.acquire(nbytes) for _ in range(count)]
+        self.buffers = [(b.memoryview(), b.bytes) for b in blocks]  # (bytes view, uint8 tensor)
+
+    def close(self) -> None:
+        self.buffers = []
+        self._pool.close()
 
 
 class StagedWriter:
@@ -86,12 +93,11 @@ class StagedWriter:
         start writing it, and checksum it while the write runs."""
         if not self.fill:
             return
-        region, block = self.staging.buffers[self.cur]
+        view, block = self.staging.buffers[self.cur]
         for f in self.inflight[self.cur]:
             f.result()
         _gather(self.parts, block[:self.fill])
         self.parts = []
-        view = memoryview(region)
         item = self.arr.itemsize
         first = self.pos // item
         aligned = self.fill // ALIGN * ALIGN  # the whole block but at the array's very end
