@@ -379,10 +379,13 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
                 buf.release()
             while True:  # drain what the reader queued so its buffers go back
                 try:
-                    item = filled.get(timeout=0.05)
+                    item = filled.get_nowait()
                 except queue.Empty:
+                    # a finished reader ends the drain at once (a timed get here cost every
+                    # run 50 ms after its last write); a live one may still be offering
                     if not reader.is_alive():
                         break
+                    reader.join(timeout=0.01)
                     continue
                 if isinstance(item, tuple):
                     item[1].release()
