@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-if ! "$VPY" -c 'import offload_engine, pytest, tensorstore' >/dev/null 2>&1; then
+if ! "$VPY" -c 'import offload_engine, pytest, tensorstore, transformers' >/dev/null 2>&1; then
   "$VPY" -m pip install -q --upgrade pip
   # torch first, pinned: where a CPU wheel of 2.13.0 is on local disk pip takes it;
   # elsewhere PyPI serves the build for the platform.
