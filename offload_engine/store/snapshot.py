@@ -10,6 +10,7 @@ pinned pool is used.
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Callable
 
@@ -30,14 +31,14 @@ class Snapshot:
 
     def __init__(self, buckets: list, sink: Sink):
         self.sink = sink
-        self.pending = list(buckets)       # in schedule order; guarded by the store lock
+        # in schedule order, claimed ones dropped from the front as met; store lock guards both
+        self.pending = collections.deque(buckets)
         self.pending_set = set(buckets)
         self.total = len(buckets)
         self.copied = 0
         self.copied_inline = 0             # copied by a user's acquire (copy-on-acquire)
         self.error: BaseException | None = None
         self.finished = threading.Event()
-        self.thread: threading.Thread | None = None
         self._settled = 0
         self._count_lock = threading.Lock()
         if not buckets:
@@ -50,13 +51,14 @@ class Snapshot:
         self.pending_set.discard(bucket)
         return True
 
-    def next_bucket(self, resident_first: bool = True):
+    def next_bucket(self):
         """The next unclaimed bucket, preferring ones already in memory (no read)."""
-        self.pending = [b for b in self.pending if b in self.pending_set]
+        while self.pending and self.pending[0] not in self.pending_set:
+            self.pending.popleft()
         if not self.pending or self.error is not None:
             return None
-        chosen = next((b for b in self.pending if b.buf is not None), None) if resident_first else None
-        chosen = chosen or self.pending[0]
+        chosen = next((b for b in self.pending if b.buf is not None and b in self.pending_set),
+                      self.pending[0])
         self.pending_set.discard(chosen)
         return chosen
 
@@ -83,7 +85,7 @@ class Snapshot:
         be; count them settled so that ``wait()`` returns once the claimed ones are done."""
         n = len(self.pending_set)
         self.pending_set.clear()
-        self.pending = []
+        self.pending.clear()
         self.settle(n)
 
     def settle(self, n: int) -> None:

@@ -646,15 +646,18 @@ class TieredStore:
                 raise RuntimeError(f"snapshot while buckets are held ({held[:3]}...): take it "
                                    "between steps, when every handle is released")
             names = list(self._arrays) if arrays is None else arrays
-            order = [self._bucket(k) for k in self._schedule.order] if self._schedule else []
+            # in the order of the step to come: the buckets it needs first are copied first,
+            # so its acquires rarely find one still to copy (a copy on the training thread)
+            sched = self._schedule
+            order = [self._bucket(k) for k in sched.order_for(sched.step + 1)] if sched else []
             wanted = {b for n in names for b in self._array(n).buckets}
             buckets = [b for b in order if b in wanted]
-            buckets += [b for n in names for b in self._array(n).buckets if b not in set(buckets)]
+            scheduled = set(buckets)
+            buckets += [b for n in names for b in self._array(n).buckets if b not in scheduled]
             snap = Snapshot(buckets, sink)
             self._snapshot = snap
-            snap.thread = threading.Thread(target=self._snapshot_worker, args=(snap,),
-                                           name="oe-snapshot", daemon=True)
-            snap.thread.start()
+            threading.Thread(target=self._snapshot_worker, args=(snap,), name="oe-snapshot",
+                             daemon=True).start()
             return snap
 
     def _snapshot_worker(self, snap: Snapshot) -> None:
@@ -668,15 +671,14 @@ class TieredStore:
                     b.refs += 1
                     try:
                         self._make_resident(b, demand=True)
-                    except BaseException as e:
+                    except BaseException as e:  # the finally below abandons the rest
                         b.refs -= 1
                         b.saving = False
                         snap.fail(e)
-                        snap.abandon_unclaimed()
                         snap.settle(1)  # the bucket it had claimed
                         self._cv.notify_all()
                         break
-                self._copy_for_snapshot(b, inline=False, held=True)
+                self._copy_for_snapshot(b, inline=False)
         except BaseException as e:  # never leave wait() hanging
             snap.fail(e)
         finally:
@@ -684,8 +686,10 @@ class TieredStore:
                 if snap.error is not None:
                     snap.abandon_unclaimed()
 
-    def _copy_for_snapshot(self, b: Bucket, inline: bool, held: bool = False) -> None:
-        """Hand ``b``'s bytes to the snapshot's sink (``b`` is held and marked saving)."""
+    def _copy_for_snapshot(self, b: Bucket, inline: bool) -> None:
+        """Hand ``b``'s bytes to the snapshot's sink (``b`` is held and marked saving). An
+        inline copy runs in the acquire that holds ``b``; the background thread's copy holds
+        it itself and lets it go here."""
         snap = self._snapshot
         try:
             if b.array.home == "gpu":
@@ -698,7 +702,7 @@ class TieredStore:
         finally:
             with self._lock:
                 b.saving = False
-                if held:
+                if not inline:
                     b.refs -= 1
                     self._pump()
                 self._cv.notify_all()
