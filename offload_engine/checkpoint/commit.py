@@ -92,11 +92,10 @@ def wait_for_ranks(staging: str, world: int, timeout_s: float) -> list[dict]:
 
 def commit(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int) -> None:
     """Rank 0: write the generation's manifest ``attrs``, then make it the committed one."""
-    create_group(staging, attrs)
+    create_group(staging, attrs)  # its atomic write fsyncs ``staging`` after the manifest lands
     for r in range(world):
         os.remove(_report(staging, r, DONE))
         fsync_dir(os.path.join(staging, rank_group(r)))
-    fsync_dir(staging)
     os.rename(staging, final)  # the commit point
     fsync_dir(ckpt_dir)
     write_latest(ckpt_dir, os.path.basename(final))

@@ -27,7 +27,6 @@ class PendingCheckpoint:
         self.stats: dict = {"step_waited_s": 0.0, "inline_copies": 0, "state_buckets": 0}
         self._finished = threading.Event()
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
         self._t0 = time.perf_counter()
 
     def done(self) -> bool:
@@ -54,8 +53,7 @@ class PendingCheckpoint:
                 self.stats["seconds"] = time.perf_counter() - self._t0
                 self._finished.set()
         # not a daemon: a script that ends right after saving still commits its checkpoint
-        self._thread = threading.Thread(target=target, name="oe-checkpoint")
-        self._thread.start()
+        threading.Thread(target=target, name="oe-checkpoint").start()
 
 
 def wait_for_params(optimizer, *_args, **_kwargs) -> None:
