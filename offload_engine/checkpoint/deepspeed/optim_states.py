@@ -141,7 +141,7 @@ class DeepSpeedOptimStates:
         segments = self._segments.get((name, state))
         if segments is None:
             raise KeyError(f"no state {state!r} of parameter {name!r}")
-        self._reader.read(segment_wants(segments, [s.start for s in segments], start, as_byte_view(out),
+        self._reader.read(segment_wants(segments, start, as_byte_view(out),
                                         self.dtypes[state].itemsize, f"{name}/{state}"))
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import bisect
 import collections
 import concurrent.futures
 import errno
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -47,18 +48,18 @@ class Segment:
     offset: int
 
 
-def segment_wants(segments: list[Segment], starts: list[int], lo: int, dest: memoryview,
-                  itemsize: int, what: str) -> list[Want]:
+def segment_wants(segments: list[Segment], lo: int, dest: memoryview, itemsize: int,
+                  what: str) -> list[Want]:
     """The reads that fill ``dest`` (bytes) with elements ``[lo, lo + len(dest) // itemsize)``
-    of a tensor stored as ``segments`` (sorted by ``start``; ``starts`` lists those starts).
-    ValueError naming ``what`` when the range runs past the tensor."""
+    of a tensor stored as ``segments`` (sorted by ``start``). ValueError naming ``what`` when
+    the range runs past the tensor."""
     if len(dest) % itemsize:
         raise ValueError(f"{what}: a buffer of {len(dest)} bytes holds no whole number of "
                          f"{itemsize}-byte elements")
     hi = lo + len(dest) // itemsize
     wants = []
     pos = lo
-    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    i = max(0, bisect.bisect_right(segments, lo, key=operator.attrgetter("start")) - 1)
     while pos < hi and i < len(segments):
         seg = segments[i]
         i += 1

@@ -93,9 +93,7 @@ class DeepSpeedSource:
                                        f"checkpoints are not supported")
 
         self._infos: list[TensorInfo] = []
-        self._segments: dict[str, list[Segment]] = {}
-        self._starts: dict[str, list[int]] = {}
-        self._itemsizes: dict[str, int] = {}  # bytes per element
+        self._segments: dict[str, tuple[list[Segment], int]] = {}  # and bytes per element
         self._used_keys: list[set[str]] = [set() for _ in self._files]
         self._add_buffers(model0)
         if not exclude_frozen:
@@ -131,9 +129,7 @@ class DeepSpeedSource:
             segments.append(Segment(p.start, p.count, file, base + p.src_offset * itemsize))
             self._used_keys[file].add(ref.storage.key)
         segments.sort(key=lambda s: s.start)
-        self._segments[name] = segments
-        self._starts[name] = [s.start for s in segments]
-        self._itemsizes[name] = itemsize
+        self._segments[name] = (segments, itemsize)
         self._infos.append(TensorInfo(name, shape, dtype, kind))
 
     def _model_index(self, rank: int) -> int:
@@ -235,11 +231,11 @@ class DeepSpeedSource:
         dtype), one batch of reads for all."""
         wants = []
         for req in requests:
-            segments = self._segments.get(req.name)
-            if segments is None:
+            stored = self._segments.get(req.name)
+            if stored is None:
                 raise KeyError(f"no tensor {req.name!r} in {self.tag_dir}")
-            wants += segment_wants(segments, self._starts[req.name], req.start, as_byte_view(req.out),
-                                   self._itemsizes[req.name], req.name)
+            segments, itemsize = stored
+            wants += segment_wants(segments, req.start, as_byte_view(req.out), itemsize, req.name)
         self._reader.read(wants)
 
     def describe(self) -> str:
