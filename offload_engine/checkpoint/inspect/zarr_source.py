@@ -118,17 +118,23 @@ class ZarrSource(InspectSource):
             try:
                 out.append((path, os.path.getsize(path)))
             except FileNotFoundError:
-                raise InspectError(f"{path}: rank {r}'s shard table is missing (rank {r} "
-                                   f"missing?)") from None
+                raise self._missing_table(r) from None
         return out
 
+    def _missing_table(self, rank: int) -> InspectError:
+        return InspectError(f"{shard_table_path(self.group, rank)}: rank {rank}'s shard table "
+                            f"is missing (rank {rank} missing?)")
+
+    def _missing_array(self, name: str) -> InspectError:
+        rank = self.manifest.arrays[name].rank
+        hint = f" (rank {rank} missing?)" if rank is not None else ""
+        return InspectError(f"{os.path.join(self.group, name)}: array {name!r} listed in the "
+                            f"manifest is missing{hint}")
+
     def _stat_arrays(self) -> None:
-        for name, entry in self.manifest.arrays.items():
-            path = os.path.join(self.group, name)
-            if not os.path.isfile(os.path.join(path, "zarr.json")):
-                rank = f" (rank {entry.rank} missing?)" if entry.rank is not None else ""
-                raise InspectError(f"{path}: array {name!r} listed in the manifest is missing"
-                                   f"{rank}")
+        for name in self.manifest.arrays:
+            if not os.path.isfile(os.path.join(self.group, name, "zarr.json")):
+                raise self._missing_array(name)
 
     def _declared_chunks(self) -> int:
         """Chunk files the arrays may have: the checksums' count (checkpoints), else
@@ -164,10 +170,8 @@ class ZarrSource(InspectSource):
         path = os.path.join(self.group, name)
         try:
             flat = FlatArray.open(path, io=self._io, mode="r")
-        except NodeNotFoundError:
-            rank = f" (rank {entry.rank} missing?)" if entry.rank is not None else ""
-            raise InspectError(f"{path}: array {name!r} listed in the manifest is missing"
-                               f"{rank}") from None
+        except NodeNotFoundError:  # deleted since listing checked it
+            raise self._missing_array(name) from None
         except MetadataError as e:
             raise InspectError(str(e)) from None
         if flat.dtype != entry.dtype or flat.numel != entry.numel:
@@ -190,15 +194,13 @@ class ZarrSource(InspectSource):
             tables = ShardTables(self.manifest)
             with gc_paused():
                 for r in self.manifest.ranks:
-                    where = shard_table_path(self.group, r)
                     try:
                         doc = read_shard_table(self.group, r)
-                    except NodeNotFoundError:
-                        raise InspectError(f"{where}: rank {r}'s shard table is missing (rank "
-                                           f"{r} missing?)") from None
+                    except NodeNotFoundError:  # deleted since listing checked it
+                        raise self._missing_table(r) from None
                     except MetadataError as e:
                         raise InspectError(str(e)) from None
-                    tables.add(r, doc, where)
+                    tables.add(r, doc, shard_table_path(self.group, r))
                     del doc
                 self._placements = tables.finish(self.group)
         return self._placements
