@@ -43,11 +43,15 @@ def step_both(model, ref, opt, ref_opts, steps, rank, world):
             o.step()
 
 
-def train_and_save(rank, world, mesh, tmp):
-    model, ref = make_pair(MIXED_SHAPES, mesh, seed=3)
-    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
-                   store=store(os.path.join(tmp, f"state-w{world}")))
-    ref_opts = reference_optimizers(ref, MUON, ADAMW)
+def mixed_model(mesh, seed: int, store_dir: str):
+    """(model, its unsharded reference, ZeroMuon, reference optimizers) for MIXED_SHAPES."""
+    model, ref = make_pair(MIXED_SHAPES, mesh, seed=seed)
+    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW, store=store(store_dir))
+    return model, ref, opt, reference_optimizers(ref, MUON, ADAMW)
+
+
+def train_and_save(rank, world, mesh, tmp, setup=mixed_model):
+    model, ref, opt, ref_opts = setup(mesh, 3, os.path.join(tmp, f"state-w{world}"))
     step_both(model, ref, opt, ref_opts, range(3), rank, world)
     save_checkpoint(os.path.join(tmp, "ck"), model, opt, 3)
     if rank == 0:
@@ -56,13 +60,11 @@ def train_and_save(rank, world, mesh, tmp):
     opt.close()
 
 
-def load_and_check(rank, world, mesh, tmp, src, resave):
-    model, ref = make_pair(MIXED_SHAPES, mesh, seed=77)  # different weights until loaded
-    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
-                   store=store(os.path.join(tmp, f"state-load-w{world}-{src}")))
+def load_and_check(rank, world, mesh, tmp, src, resave, setup=mixed_model):
+    # different weights until loaded
+    model, ref, opt, ref_opts = setup(mesh, 77, os.path.join(tmp, f"state-load-w{world}-{src}"))
     saved = torch.load(os.path.join(tmp, "reference.pt"))
     ref.load_state_dict(saved["model"])
-    ref_opts = reference_optimizers(ref, MUON, ADAMW)
     for o, sd in zip(ref_opts, saved["opts"]):
         o.load_state_dict(sd)
     assert load_checkpoint(os.path.join(tmp, src), model, opt) == 3
@@ -299,3 +301,31 @@ def test_live_stores_of_two_ranks_list_and_read_their_own_rows(tmp_path, capsys)
     out = str(tmp_path / "w_big.npy")
     assert cli_main(["export", d, "w_big", "--state", "momentum_buffer", "--out", out]) == 2
     assert "held by other ranks" in capsys.readouterr().err and not os.path.exists(out)
+
+
+# -- a state no row of which is on some ranks ------------------------------------------------
+EMPTY_ON_SOME = {"w": (9, 4), "norm": (6,), "b": (1,)}  # b: rows [1, 0, 0] at W=3
+
+
+def amsgrad_b_model(mesh, seed: int, store_dir: str):
+    """``b`` alone in an amsgrad AdamW group: at W=3 its chunk has no rows on ranks 1 and 2,
+    whose ``adam_max_exp_avg_sq`` array is then empty (no other chunk uses it)."""
+    model, ref = make_pair(EMPTY_ON_SOME, mesh, seed=seed)
+    named = dict(model.named_parameters())
+    opt = ZeroMuon([{"params": [(n, p) for n, p in named.items() if n != "b"]},
+                    {"params": [("b", named["b"])], "use_muon": False, "amsgrad": True}],
+                   **MUON, adamw=ADAMW, store=store(store_dir))
+    ref_opts = [torch.optim.Muon([ref.w], **MUON),
+                torch.optim.AdamW([{"params": [ref.norm]}, {"params": [ref.b], "amsgrad": True}],
+                                  **ADAMW)]
+    return model, ref, opt, ref_opts
+
+
+def test_state_with_no_rows_on_some_ranks_round_trips_bitwise(tmp_path):
+    """Ranks with no element of a state save and load nothing of it (an empty array); the
+    checkpoint is complete, and loads bitwise at the same and at another world size."""
+    tmp = str(tmp_path)
+    spawn(3, train_and_save, tmp, amsgrad_b_model)
+    assert cli_main(["inspect", os.path.join(tmp, "ck")]) == 0
+    spawn(3, load_and_check, tmp, "ck", None, amsgrad_b_model)
+    spawn(2, load_and_check, tmp, "ck", None, amsgrad_b_model)

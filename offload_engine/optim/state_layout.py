@@ -227,6 +227,9 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
             cursors[n] = c.starts[n] + c.local_numel
             arrays[n] = (_array_dtype(c, n), cursors[n])
         _cut_rows(c, be)
+    for c in per_kind["muon"] + per_kind["adamw"]:
+        for n in c.arrays:  # used only by chunks without rows here: an empty array, not none
+            arrays.setdefault(n, (_array_dtype(c, n), 0))
     chunks = _interleave(per_kind["muon"], per_kind["adamw"])
     for i, c in enumerate(chunks):
         c.index = i
