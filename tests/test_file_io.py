@@ -50,6 +50,32 @@ def test_pooled_buffers_use_o_direct_where_supported(fio, tmp_path):
         assert fio.stats.direct_pieces == 8 and fio.stats.buffered_pieces == 0
 
 
+@pytest.mark.parametrize("nbytes", [3 * 4096 + 100, (128 << 10) + 3 * 4096 + 100])
+def test_page_aligned_request_buffers_only_its_sub_page_tail(fio, tmp_path, nbytes):
+    """A request at a page-aligned offset from a page-aligned buffer whose length is not
+    whole pages: all but the last partial page moves with O_DIRECT (the last block is cut
+    at its last page boundary), so one piece of < 4096 bytes goes through the page cache."""
+    path = tmp_path / "t"
+    pool = BufferPool(1 << 20)
+    buf = pool.acquire(nbytes)
+    want = _pattern(nbytes, 5)
+    buf.bytes.copy_(want)
+    assert fio.write(path, 0, buf).result() == nbytes
+    wrote = fio.reset_stats()
+    with open(path, "rb") as f:
+        assert f.read() == bytes(want.numpy())
+    back = pool.acquire(nbytes)
+    assert fio.read(path, 0, back).result() == nbytes
+    assert torch.equal(back.bytes, want)
+    read = fio.reset_stats()
+    # False: the tmp file system refused O_DIRECT (None would mean it was never tried)
+    if fio.uses_direct(path) is not False:
+        whole_blocks = nbytes // (64 << 10)
+        for stats in (wrote, read):
+            assert stats.direct_pieces == whole_blocks + 1, stats
+            assert stats.buffered_pieces == 1, stats
+
+
 def test_any_dtype_tensor_including_bfloat16(fio, tmp_path):
     src = torch.randn(1000).to(torch.bfloat16)
     fio.write(tmp_path / "b", 0, src).result()

@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from offload_engine.io import ALIGN, AsyncFileIO, BufferPool, PooledBuffer, round_up
+from offload_engine.io import ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, round_up
 
 from .dtypes import BFLOAT16, FLOAT16, FLOAT32, as_dtype, as_torch_view, cast_into, is_float, to_torch
 from .safetensors_writer import (DTYPE_CODES, INDEX_FILE, OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor,
@@ -292,7 +292,7 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
     window_bytes = max(64, min(window_bytes, -(-max(total, 1) // 4096) * 4096)) // 8 * 8
     # Windows start at multiples of window_bytes: with a window that is a multiple of 4096
     # AsyncFileIO writes them with O_DIRECT where the file system accepts it (a file's
-    # last, partial, page goes through the page cache, see _write_window).
+    # last, partial, page goes through the page cache: AsyncFileIO cuts it off).
     direct = None if paths and window_bytes % ALIGN == 0 and _direct_ok(os.path.dirname(paths[0])) else False
     with AsyncFileIO(threads=2, queue_depth=4, direct=direct) as fio, \
             BufferPool((depth + 4) * round_up(window_bytes), pin=False) as pool:
@@ -373,9 +373,8 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
                 fio.sync(path).result()
         finally:
             stop.set()
-            for futures, buf, _ in pending:
-                for fut in futures:
-                    fut.exception()
+            for fut, buf, _ in pending:
+                fut.exception()  # the write is over before its buffer goes back
                 buf.release()
             while True:  # drain what the reader queued so its buffers go back
                 try:
@@ -393,17 +392,11 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
         return pool.peak_in_use
 
 
-def _write_window(fio: AsyncFileIO, win: Window, buf: PooledBuffer) -> list:
-    """Start writing a window: its whole pages as one request (O_DIRECT when the window
-    starts on a page), the last partial page of a file as another (buffered)."""
-    head = win.nbytes // ALIGN * ALIGN if win.file_offset % ALIGN == 0 else 0
-    futures = []
-    if head:
-        futures.append(fio.write(win.path, win.file_offset, buf, length=head))
-    if head < win.nbytes:
-        tail = buf.memoryview(win.nbytes)[head:]
-        futures.append(fio.write(win.path, win.file_offset + head, tail))
-    return futures
+def _write_window(fio: AsyncFileIO, win: Window, buf: PooledBuffer) -> IOFuture:
+    """Start writing a window from its pool buffer: O_DIRECT when the window starts on a
+    page, but for a file's last partial page, which AsyncFileIO sends through the page
+    cache."""
+    return fio.write(win.path, win.file_offset, buf, length=win.nbytes)
 
 
 def _direct_ok(directory: str) -> bool:
@@ -422,13 +415,11 @@ def _direct_ok(directory: str) -> bool:
 
 
 def _finish(entry) -> int:
-    futures, buf, win = entry
+    fut, buf, win = entry
     try:
-        for fut in futures:
-            fut.result()
+        fut.result()
     finally:
-        for fut in futures:
-            fut.exception()  # every write of the buffer is over before it is reused
+        fut.exception()  # the write is over, even where that wait was cut short, before reuse
         buf.release()
     return win.nbytes
 

@@ -24,7 +24,6 @@ import threading
 import torch
 
 from ..io import AsyncFileIO
-from ..io.align import ALIGN
 from ..io.page_cache import sync_tree
 from ..layout import FlatArray
 from ..layout.dtypes import torch_to_zarr
@@ -93,12 +92,10 @@ class RankWriter:
             raise AssertionError(f"{arr.path}: bucket {index} [{start}, {start + n}) is not "
                                  f"one chunk of {arr.chunk_elems} elements")
         if tensor.device.type == "cpu":  # a pooled (page-aligned) buffer: written as it is
-            aligned = n * arr.itemsize // ALIGN * ALIGN // arr.itemsize
-            futures = [arr.write_from(start + lo, start + hi, tensor[lo:hi])
-                       for lo, hi in ((0, aligned), (aligned, n)) if hi > lo]  # O_DIRECT, tail
+            # O_DIRECT but for a sub-page tail, which AsyncFileIO sends through the page cache
+            future = arr.write_from(start, start + n, tensor)
             crc = padded_crc32c(as_bytes(tensor), arr.chunk_bytes)  # while the write runs
-            for f in futures:
-                f.result()
+            future.result()
         else:  # a GPU-homed array: through staging blocks of this thread
             if self._gpu_staging is None:
                 self._gpu_staging = StagingBlocks()

@@ -58,7 +58,7 @@ class StagedWriter:
         self.fill = 0         # bytes in the current block
         self.parts: list[torch.Tensor] = []  # uint8 views of what the current block will hold
         self.cur = 0          # which staging block is filling
-        self.inflight: list[list[IOFuture]] = [[] for _ in staging.buffers]
+        self.inflight: list[IOFuture | None] = [None for _ in staging.buffers]
 
     def add(self, sources: list[torch.Tensor]) -> None:
         """Append the bytes of each tensor of ``sources`` (contiguous, the array's dtype, on
@@ -83,10 +83,10 @@ class StagedWriter:
     def finish(self) -> None:
         """Write the last, partial block and wait for every write."""
         self._write_block()
-        for futures in self.inflight:
-            for f in futures:
+        for i, f in enumerate(self.inflight):
+            if f is not None:
                 f.result()
-            futures.clear()
+            self.inflight[i] = None
 
     def _write_block(self) -> None:
         """Copy the pending parts into the current block (once its previous write ended),
@@ -94,16 +94,14 @@ class StagedWriter:
         if not self.fill:
             return
         view, block = self.staging.buffers[self.cur]
-        for f in self.inflight[self.cur]:
-            f.result()
+        if self.inflight[self.cur] is not None:
+            self.inflight[self.cur].result()
         _gather(self.parts, block[:self.fill])
         self.parts = []
         item = self.arr.itemsize
         first = self.pos // item
-        aligned = self.fill // ALIGN * ALIGN  # the whole block but at the array's very end
-        self.inflight[self.cur] = [
-            self.arr.write_from(first + lo // item, first + hi // item, view[lo:hi])
-            for lo, hi in ((0, aligned), (aligned, self.fill)) if hi > lo]
+        # O_DIRECT: the whole block but a sub-page tail at the array's very end
+        self.inflight[self.cur] = self.arr.write_from(first, first + self.fill // item, view)
         self.checksums.add(block[:self.fill])
         self.pos += self.fill
         self.fill = 0

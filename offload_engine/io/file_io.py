@@ -8,9 +8,10 @@ at most 2,147,479,552 bytes per call); a read that meets end of file first is an
 names the file.
 
 O_DIRECT is used where the file system accepts it and the piece is aligned (address, offset
-and length multiples of 4096); the first refusal (EINVAL) in a directory switches that
-directory to buffered I/O, logged once, with ``posix_fadvise`` keeping the page cache from
-filling with state that is read once per step.
+and length multiples of 4096); a request that starts on a page has its last piece cut at its
+last page boundary, so only a tail shorter than a page is buffered. The first refusal
+(EINVAL) in a directory switches that directory to buffered I/O, logged once, with
+``posix_fadvise`` keeping the page cache from filling with state that is read once per step.
 """
 
 from __future__ import annotations
@@ -270,16 +271,31 @@ class AsyncFileIO:
         if nbytes == 0 and not sync:
             fut.set_result(0)
             return fut
-        starts = list(range(0, nbytes, self.block_size)) or [0]
-        req.pending = len(starts)
+        pieces = self._pieces(path, offset, view)
+        req.pending = len(pieces)
         with self._stats_lock:
             if op == "read":
                 self.stats.reads += 1
             else:
                 self.stats.writes += 1
-        for start in starts:
-            self._enqueue(("piece", req, start, min(self.block_size, nbytes - start)))
+        for start, length in pieces:
+            self._enqueue(("piece", req, start, length))
         return fut
+
+    def _pieces(self, path: str, offset: int, view: memoryview) -> list[tuple[int, int]]:
+        """``(start, length)`` of each piece of a request: ``block_size`` bytes each, and,
+        where the request starts on a page (offset and address) and O_DIRECT may be used,
+        a last piece that does not end on a page is cut at its last page boundary, so only
+        the tail (< 4096 bytes) goes through the page cache, not up to a whole block."""
+        nbytes = len(view)
+        pieces = [(start, min(self.block_size, nbytes - start))
+                  for start in range(0, nbytes, self.block_size)] or [(0, 0)]
+        start, length = pieces[-1]
+        whole = length // ALIGN * ALIGN
+        if (0 < whole < length and is_aligned(offset) and is_aligned(address_of(view))
+                and self._direct_allowed(path)):
+            pieces[-1:] = [(start, whole), (start + whole, length - whole)]
+        return pieces
 
     def _enqueue(self, item) -> None:
         with self._queue_cv:
