@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from offload_engine.io import AsyncFileIO, BufferPool, FileIOError, IOFuture, TruncatedFileError
+from offload_engine.io import (AsyncFileIO, BufferPool, FileIOError, IOFuture, TruncatedFileError,
+                               probe_direct)
 from offload_engine.io import file_io as file_io_mod
 
 
@@ -223,6 +224,24 @@ def test_o_direct_refusal_falls_back_to_buffered_and_logs(tmp_path, monkeypatch,
         assert io.stats.direct_pieces == 0
     assert torch.equal(back.bytes, buf.bytes)
     assert sum("O_DIRECT refused" in r.message for r in caplog.records) == 1
+
+
+def test_probe_direct_leaves_nothing_and_raises_only_when_strict(tmp_path, monkeypatch):
+    assert isinstance(probe_direct(tmp_path), bool)
+    assert os.listdir(tmp_path) == []  # the probe file is gone
+    missing = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError):
+        probe_direct(missing)
+    assert probe_direct(missing, strict=False) is False
+    real_open = os.open
+
+    def no_direct_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct_open)
+    assert probe_direct(tmp_path) is False  # a refusal is a no, strict or not
 
 
 def test_descriptors_are_cached_and_bounded(tmp_path):

@@ -37,7 +37,8 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from offload_engine.io import ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, round_up
+from offload_engine.io import (ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, probe_direct,
+                               round_up)
 
 from .dtypes import BFLOAT16, FLOAT16, FLOAT32, as_dtype, as_torch_view, cast_into, is_float, to_torch
 from .safetensors_writer import (DTYPE_CODES, INDEX_FILE, OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor,
@@ -400,18 +401,10 @@ def _write_window(fio: AsyncFileIO, win: Window, buf: PooledBuffer) -> IOFuture:
 
 
 def _direct_ok(directory: str) -> bool:
-    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs and some network
-    file systems refuse it; they are written through the page cache, without a warning)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = os.path.join(directory, ".direct-probe")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0), 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
+    """Whether files in ``directory`` take O_DIRECT (tmpfs and some network file systems
+    refuse it; they are written through the page cache, without a warning). Any error is
+    a no: the writes that follow meet a real one again, and report it."""
+    return probe_direct(directory, strict=False)
 
 
 def _finish(entry) -> int:

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 import numpy as np
-from ..io import ALIGN, AsyncFileIO, BufferPool
+from ..io import AsyncFileIO, BufferPool, probe_direct  # noqa: F401 (probe_direct: for bench_io)
 from ..io.page_cache import evict_and_check, sync_tree
 from ..layout import FlatArray
 from ..units import format_bytes
@@ -42,36 +42,6 @@ def fill_pattern(dst: np.ndarray, seed: int) -> None:
         words ^= np.uint32((seed * 40503 + 0x9E3779B9) & 0xFFFFFFFF)
         words |= np.uint32(0x01010101)  # no zero byte anywhere
         dst[off:off + n] = words.view(np.uint8)[:n]
-
-
-def probe_direct(directory: str) -> bool:
-    """Whether the file system under ``directory`` takes O_DIRECT (open plus a 4 KiB write)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = os.path.join(directory, ".direct-probe")
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        try:
-            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                return False
-            raise
-        try:
-            os.pwritev(fd, [buf], 0)
-            return True
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                return False
-            raise
-        finally:
-            os.close(fd)
-    finally:
-        buf.close()
-        try:
-            os.unlink(probe)
-        except FileNotFoundError:
-            pass
 
 
 # --------------------------------------------------------------------------------------------
