@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from ..layout.dtypes import torch_to_zarr
 from ..layout.manifest import shard_entry, tensor_entry
 from .state_io import state_key
-from .state_layout import MASTER
 
 
 def store_manifest(opt) -> tuple[dict, dict]:
@@ -36,8 +33,7 @@ def manifest_tables(infos, layout, rank: int, world: int, array_name: Callable[[
         rows = rows_of(info)
         offset = chunk.offsets[info.index]
         name = info.name or f"param.{info.index}"
-        dtypes = {state_key(a): torch_to_zarr(torch.float32 if a == MASTER else chunk.state_dtype)
-                  for a in chunk.arrays}
+        dtypes = {state_key(a): torch_to_zarr(chunk.array_dtype(a)) for a in chunk.arrays}
         tensors[name] = tensor_entry(info.shape, torch_to_zarr(info.dtype), info.kind, dtypes,
                                      rows, world)
         row_start = sum(rows[:rank]) if info.distributed else 0

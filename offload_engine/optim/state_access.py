@@ -13,10 +13,13 @@ from .sharding import ParamInfo, local_tensor
 from .state_io import _write_array, state_key
 
 
+def _chunk(opt, info: ParamInfo):
+    return opt.layout.chunks[opt.layout.param_chunk[info.index]]
+
+
 def param_state_arrays(opt, info: ParamInfo) -> dict[str, str]:
     """``{torch state key: layout array name}`` for one parameter."""
-    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
-    return {state_key(name): name for name in chunk.arrays}
+    return {state_key(name): name for name in _chunk(opt, info).arrays}
 
 
 def state_arrays(opt) -> dict[str, tuple[str, str, torch.dtype, int]]:
@@ -30,20 +33,21 @@ def state_arrays(opt) -> dict[str, tuple[str, str, torch.dtype, int]]:
 def state_offsets(opt, info: ParamInfo) -> dict[str, tuple[str, int, int]]:
     """``{torch state key: (layout array name, first element, elements)}`` of this rank's
     rows of ``info`` in the store's flat arrays (contiguous: the packed layout)."""
-    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+    chunk = _chunk(opt, info)
     offset, numel = chunk.offsets[info.index], chunk.sizes[info.index]
     return {state_key(name): (name, chunk.starts[name] + offset, numel) for name in chunk.arrays}
 
 
 def state_dtype(opt, info: ParamInfo, key: str) -> torch.dtype:
-    """The dtype state ``key`` of ``info`` is kept in: its layout array's."""
-    return opt.layout.arrays[param_state_arrays(opt, info)[key]][0]
+    """The dtype state ``key`` of ``info`` is kept in (``Chunk.array_dtype``)."""
+    return _chunk(opt, info).array_dtype(param_state_arrays(opt, info)[key])
 
 
 def write_param_state(opt, info: ParamInfo, key: str, flat: torch.Tensor) -> None:
     """Set this rank's rows of state ``key`` of ``info`` from a flat tensor."""
     name = param_state_arrays(opt, info)[key]
-    _write_array(opt, info, name, flat.to(dtype=opt.layout.arrays[name][0], device=opt.device))
+    _write_array(opt, info, name, flat.to(dtype=_chunk(opt, info).array_dtype(name),
+                                          device=opt.device))
 
 
 def adam_step(opt, info: ParamInfo) -> float | None:

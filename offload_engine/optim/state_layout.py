@@ -82,6 +82,11 @@ class Chunk:
     starts: dict[str, int] = field(default_factory=dict)   # array -> first element
     rows: list[Row] = field(default_factory=list)
 
+    def array_dtype(self, name: str) -> torch.dtype:
+        """The dtype of this chunk's state in array ``name``: fp32 for ``master``, else the
+        chunk's state dtype."""
+        return torch.float32 if name == MASTER else self.state_dtype
+
 
 @dataclass
 class Layout:
@@ -210,7 +215,7 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
         if c.local_numel == 0:   # no rows here: no buckets, an empty range where the cursor is
             c.starts = {n: cursors.get(n, 0) for n in c.arrays}
             continue
-        sizes = {_itemsize(_array_dtype(c, n)) for n in c.arrays}
+        sizes = {_itemsize(c.array_dtype(n)) for n in c.arrays}
         if len(sizes) != 1:
             raise AssertionError(f"arrays {c.arrays} of one chunk differ in element size")
         be = bucket_bytes // sizes.pop()
@@ -225,20 +230,16 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
         for n in c.arrays:
             c.starts[n] = cursors.get(n, 0)
             cursors[n] = c.starts[n] + c.local_numel
-            arrays[n] = (_array_dtype(c, n), cursors[n])
+            arrays[n] = (c.array_dtype(n), cursors[n])
         _cut_rows(c, be)
     for c in per_kind["muon"] + per_kind["adamw"]:
         for n in c.arrays:  # used only by chunks without rows here: an empty array, not none
-            arrays.setdefault(n, (_array_dtype(c, n), 0))
+            arrays.setdefault(n, (c.array_dtype(n), 0))
     chunks = _interleave(per_kind["muon"], per_kind["adamw"])
     for i, c in enumerate(chunks):
         c.index = i
     return Layout(bucket_bytes, chunks, arrays, {p: c.index for c in chunks for p in c.params},
                   {n: k for n, k in padding.items() if n in arrays})
-
-
-def _array_dtype(c: "Chunk", name: str) -> torch.dtype:
-    return torch.float32 if name == MASTER else c.state_dtype
 
 
 def _interleave(muon: list[Chunk], adamw: list[Chunk]) -> list[Chunk]:
