@@ -118,10 +118,6 @@ class Layout:
             self._cache[key] = list(seen)
         return self._cache[key]
 
-    def forward_order(self) -> list[tuple[str, int]]:
-        """(array, bucket) in the order a forward step first touches them."""
-        return self.step_order(False)
-
     def uses(self) -> dict[tuple[str, int], int]:
         """(array, bucket) -> rows that use it in one step (more than 1: a shared bucket)."""
         if "uses" not in self._cache:

@@ -223,10 +223,6 @@ class RankState:
     max_segment: int = 0
     infos: list = field(default_factory=list, repr=False)  # this rank's view (its layout's)
 
-    def order(self) -> list[tuple[str, int]]:
-        """(array, bucket) in the order a forward step acquires them."""
-        return self.layout.forward_order()
-
 
 def rank_layout(infos: list[ParamInfo], rank: int, opts: PlanOptions):
     master_for = lambda i: opts.master_weights and i.dtype != torch.float32
