@@ -354,22 +354,20 @@ def compute_bytes(st: RankState, model: ModelShapes, opts: PlanOptions, gpu_budg
 
 
 def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
-                         tables: tuple[dict, dict] | None = None) -> int:
+                         tables: tuple[dict, dict]) -> int:
     """Bytes of a rank's store metadata besides its arrays' zarr.json: the group's zarr.json
-    (the manifest as TieredStore writes it, compact) and, given ZeroMuon's ``tables``
-    (``rank_tables``), the tensor table merged into it and the shard table in
+    (the manifest as TieredStore writes it, compact, with ZeroMuon's tensor table from
+    ``tables`` = ``rank_tables(...)`` merged into it) and the shard table in
     ``rank{r}/zarr.json``."""
     attrs = {"format": "offload-engine-store", "format_version": MANIFEST_VERSION,
              "arrays": {f"rank0/{a.name}": {"dtype": zdtypes.from_torch(a.dtype).zarr_name,
                                             "numel": a.numel, "home": "nvme",
                                             "bucket_elems": a.bucket_elems} for a in arrays},
              "stripes": stripes}
-    total = 0
-    if tables is not None:
-        root, shards = tables
-        attrs = {**root, "step": 0, **attrs}
-        total += len(compact_json(_group_doc({SHARDS: shards}))) + 1
-    return total + len(compact_json(_group_doc(attrs))) + 1
+    root, shards = tables
+    attrs = {**root, "step": 0, **attrs}
+    return (len(compact_json(_group_doc({SHARDS: shards}))) + 1
+            + len(compact_json(_group_doc(attrs))) + 1)
 
 
 def _group_doc(attributes: dict) -> dict:
