@@ -15,7 +15,8 @@ from .metadata import (MetadataError, NodeNotFoundError, compact_json, metadata_
                        write_text_atomic)
 
 
-def _group_doc(attributes: dict) -> dict:
+def group_doc(attributes: dict) -> dict:
+    """A group's ``zarr.json`` document with ``attributes``."""
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
 
 
@@ -49,7 +50,7 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
         if attributes is not None:
             write_group_attributes(path, attributes)
         return
-    text = _group_text(_group_doc(attributes or {}), path)  # checked before any directory is made
+    text = _group_text(group_doc(attributes or {}), path)  # checked before any directory is made
     os.makedirs(path, exist_ok=True)
     write_text_atomic(metadata_path(path), text)
 

@@ -25,6 +25,7 @@ import torch
 
 from ..io.align import round_up
 from ..layout import dtypes as zdtypes
+from ..layout.group import group_doc
 from ..layout.manifest import MANIFEST_VERSION, SHARDS, fsdp_rows
 from ..layout.metadata import compact_json, new_array_doc
 from ..optim.manifest import manifest_tables
@@ -366,12 +367,8 @@ def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
              "stripes": stripes}
     root, shards = tables
     attrs = {**root, "step": 0, **attrs}
-    return (len(compact_json(_group_doc({SHARDS: shards}))) + 1
-            + len(compact_json(_group_doc(attrs))) + 1)
-
-
-def _group_doc(attributes: dict) -> dict:
-    return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
+    return (len(compact_json(group_doc({SHARDS: shards}))) + 1
+            + len(compact_json(group_doc(attrs))) + 1)
 
 
 def rank_tables(st: RankState, world: int) -> tuple[dict, dict]:
