@@ -129,8 +129,10 @@ def peak_held(layout, reverse: bool) -> int:
 
 def working_buckets(layout) -> int:
     """Buckets of pinned pool a step needs beyond cpu-homed state when state is on NVMe:
-    the most it holds at once (either walking direction) and one spare. ZeroMuon refuses a
-    smaller pool and sizes its CUDA staging arena by it; the planner uses the same figure."""
+    the most it holds at once (either walking direction) and one spare; e.g. a Muon chunk's
+    momentum bucket while the masters of the chunks in flight are held, or one AdamW row
+    (2-4 arrays), with the shared buckets kept between uses. ZeroMuon refuses a smaller
+    pool and sizes its CUDA staging arena by it; the planner uses the same figure."""
     if "working" not in layout._cache:
         layout._cache["working"] = max(peak_held(layout, False), peak_held(layout, True)) + 1
     return layout._cache["working"]

@@ -173,7 +173,7 @@ class ZeroMuon(torch.optim.Optimizer):
             cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, 4096)})
         if self.device.type == "cuda" and not isinstance(store, TieredStore) and cfg.gpu_budget == 0:
             # the step acquires buckets on the parameters' device: the store stages them there
-            staging = self._working_buckets(cfg) * cfg.bucket_bytes
+            staging = working_buckets(self.layout) * cfg.bucket_bytes
             if store is not None:
                 raise ValueError(f"parameters are on {self.device}: give the store a gpu_budget "
                                  f"(at least {staging} bytes to stage the buckets a step holds)")
@@ -218,18 +218,12 @@ class ZeroMuon(torch.optim.Optimizer):
                      if homes[n] == "cpu" for nb in _bucket_bytes(k, dt, cfg.bucket_bytes))
         work = 0
         if any(h == "nvme" for h in homes.values()):
-            work = self._working_buckets(cfg) * cfg.bucket_bytes
+            work = working_buckets(self.layout) * cfg.bucket_bytes
         if pinned + work > cfg.cpu_budget:
             raise ValueError(f"store cpu_budget {cfg.cpu_budget} bytes is too small: the state "
                              f"homed on cpu needs {pinned} bytes and the step's working set on "
                              f"nvme about {work} more ({total} bytes of state in all)")
         return cfg.cpu_budget - pinned - work
-
-    def _working_buckets(self, cfg: StoreConfig) -> int:
-        """Most buckets a step holds at once, plus one spare (``step_events.working_buckets``):
-        e.g. a Muon chunk's momentum bucket while the masters of three chunks in flight are
-        held, or one AdamW row (2-4 arrays), with the shared buckets kept between uses."""
-        return working_buckets(self.layout)
 
     def array_name(self, name: str) -> str:
         return self.prefix + name
