@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..io.align import round_up
-from ..optim.step_events import working_buckets as _working_buckets
+from ..optim.step_events import working_buckets  # ZeroMuon's own bound; planner imports it here
 from .memory import RankState
 
 GiB = 1 << 30
@@ -49,15 +49,6 @@ def pinnable_per_rank(cpu_mem: int, ranks_per_node: int, host_other: int = 0) ->
 def needed_pinned(st: RankState) -> int:
     """Pool bytes for the rank's whole state (ZeroMuon's ``needed``)."""
     return sum(a.pinned_bytes for a in st.arrays.values())
-
-
-def working_buckets(layout) -> int:
-    """Most buckets a ZeroMuon step holds at once, plus one spare (ZeroMuon's own bound,
-    found by replaying the step's store calls): e.g. a Muon chunk's momentum bucket while
-    the masters of the chunks in flight are held, or one AdamW row (2-4 arrays), with
-    buckets shared by two chunks kept between their uses. ZeroMuon refuses a pool smaller
-    than this (with state on NVMe) and sizes its CUDA staging arena by it."""
-    return _working_buckets(layout)
 
 
 def working_set(st: RankState, bucket_bytes: int, prefetch_depth: int = 0) -> int:
