@@ -61,7 +61,13 @@ class RankWriter:
         self.bytes_written = 0
         self._lock = threading.Lock()
         self._param_staging: StagingBlocks | None = None   # used by write_params' thread
-        self._gpu_staging: StagingBlocks | None = None     # used by the snapshot's threads
+        self._gpu_staging: StagingBlocks | None = None     # used by sink, under _gpu_lock
+        # sink runs on the snapshot's worker thread and, for a bucket the next step acquires
+        # first, on the training thread at the same time: for GPU-homed state both would fill
+        # the one set of staging blocks. One lock over their creation and use, rather than
+        # blocks per thread: the memory stays 32 MiB, and the training thread waits at most
+        # for one bucket the worker is writing (it would write one of its own anyway).
+        self._gpu_lock = threading.Lock()
         try:
             for name, (dtype, numel) in param_arrays.items():
                 self.arrays[name] = self._create(name, numel, dtype, chunk_bytes)
@@ -96,13 +102,14 @@ class RankWriter:
             future = arr.write_from(start, start + n, tensor)
             crc = padded_crc32c(as_bytes(tensor), arr.chunk_bytes)  # while the write runs
             future.result()
-        else:  # a GPU-homed array: through staging blocks of this thread
-            if self._gpu_staging is None:
-                self._gpu_staging = StagingBlocks()
-            crcs = SequentialChunkCrc(arr.chunk_bytes, n * arr.itemsize)
-            writer = StagedWriter(arr, self._gpu_staging, crcs, start=start * arr.itemsize)
-            writer.add([tensor])
-            writer.finish()
+        else:  # a GPU-homed array: through the staging blocks, one thread at a time
+            with self._gpu_lock:
+                if self._gpu_staging is None:
+                    self._gpu_staging = StagingBlocks()
+                crcs = SequentialChunkCrc(arr.chunk_bytes, n * arr.itemsize)
+                writer = StagedWriter(arr, self._gpu_staging, crcs, start=start * arr.itemsize)
+                writer.add([tensor])
+                writer.finish()
             crc = crcs.finish()[0]
         with self._lock:
             self.checksums[self.names[store_name]][chunk] = crc
@@ -152,8 +159,9 @@ class RankWriter:
     def close(self) -> None:
         """Stop the I/O threads and free the staging blocks (after a failure too)."""
         self.io.close()
-        for staging in (self._param_staging, self._gpu_staging):
-            if staging is not None:
-                staging.close()
-        self._param_staging = self._gpu_staging = None
+        with self._gpu_lock:  # not while a sink still fills them
+            for staging in (self._param_staging, self._gpu_staging):
+                if staging is not None:
+                    staging.close()
+            self._param_staging = self._gpu_staging = None
 

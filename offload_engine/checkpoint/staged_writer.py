@@ -23,9 +23,10 @@ BLOCKS = 4             # staging blocks: one filling while the others are writte
 
 class StagingBlocks:
     """``count`` page-aligned host buffers of ``nbytes`` each (bytes) from one BufferPool
-    (CUDA-pinned where CUDA is available, so GPU copies into them are DMA); reused by every
-    StagedWriter that runs on one thread. Pages are committed as they are first written,
-    so a small checkpoint uses little of them. ``close`` when done."""
+    (CUDA-pinned where CUDA is available, so GPU copies into them are DMA); reused by one
+    StagedWriter after another, never two at once (threads sharing them take a lock). Pages
+    are committed as they are first written, so a small checkpoint uses little of them.
+    ``close`` when done."""
 
     def __init__(self, nbytes: int = BLOCK_BYTES, count: int = BLOCKS):
         self.nbytes = nbytes
