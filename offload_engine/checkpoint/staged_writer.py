@@ -116,7 +116,8 @@ def _gather(parts: list[torch.Tensor], dest: torch.Tensor) -> None:
         return
     pos = 0
     for p in parts:
-        dest[pos:pos + p.numel()].copy_(p)
+        # from a GPU: queued on its current stream (dest is pinned), not waited for one by one
+        dest[pos:pos + p.numel()].copy_(p, non_blocking=True)
         pos += p.numel()
     for device in {p.device for p in parts if p.device.type == "cuda"}:
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.current_stream(device).synchronize()  # landed before the block is written
