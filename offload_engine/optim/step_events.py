@@ -18,7 +18,9 @@ neither evicts nor re-reads it and the step reads and writes it once.
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
+from ..io.align import round_up
 from .state_layout import MASTER, MOMENTUM
 
 SLOTS = 3
@@ -138,10 +140,31 @@ def working_buckets(layout) -> int:
     return layout._cache["working"]
 
 
+class PoolUse(NamedTuple):
+    pinned: int   # bytes of the cpu-homed state in the pool (each bucket page-rounded)
+    work: int     # the step's working set (``working_buckets``) when any state is on NVMe
+    spare: int    # cpu_budget less both: the room ``kept_tails`` may use (< 0: too small)
+
+
+def pool_use(layout, homes: dict[str, str], cpu_budget: int) -> PoolUse:
+    """How ZeroMuon's pinned pool of ``cpu_budget`` bytes is taken with arrays homed by
+    ``homes`` (name -> "cpu" | "nvme"): ZeroMuon refuses a negative ``spare`` and keeps its
+    short tails in it; the planner's step replay does the same."""
+    pinned = 0
+    for name, (dtype, numel) in layout.arrays.items():
+        if homes[name] == "cpu":
+            be = layout.bucket_bytes // dtype.itemsize
+            full, rem = divmod(numel, be)
+            pinned += full * round_up(be * dtype.itemsize) + round_up(rem * dtype.itemsize)
+    nvme = any(homes[name] == "nvme" and numel for name, (_, numel) in layout.arrays.items())
+    work = working_buckets(layout) * layout.bucket_bytes if nvme else 0
+    return PoolUse(pinned, work, cpu_budget - pinned - work)
+
+
 def kept_tails(layout, homes: dict[str, str], spare: int) -> list[tuple[str, int]]:
     """The short last buckets ZeroMuon keeps acquired for its lifetime: those of NVMe-homed
-    arrays, when ``spare`` (pool bytes beyond cpu-homed state and the working set) holds a
-    bucket for each; else none.
+    arrays, when ``spare`` (``pool_use(...).spare``: pool bytes beyond cpu-homed state and
+    the working set) holds a bucket for each; else none.
 
     A short bucket takes a short extent of the pool. When two of them are the victims that
     make room for one full bucket, the store may, depending on when the first write-back

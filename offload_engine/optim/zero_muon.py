@@ -29,7 +29,7 @@ from .muon_math import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, N
 from .owners import assign_owners
 from .param_rules import default_use_muon
 from .pipeline import SLOTS, MuonPipeline, StepContext, StepRunner
-from .step_events import Leases, kept_tails, working_buckets
+from .step_events import Leases, kept_tails, pool_use, working_buckets
 from .sharding import ParamInfo, describe, flat_local, is_dtensor, local_tensor, process_group_of
 from .state_io import load_state, read_state
 from .state_layout import build_layout
@@ -214,16 +214,12 @@ class ZeroMuon(torch.optim.Optimizer):
         homes = {n: cfg.homes.get(self.array_name(n), cfg.default_home) for n in self.layout.arrays}
         if "auto" in homes.values():
             return 0  # the store decides; it keeps working room itself
-        pinned = sum(-(-nb // 4096) * 4096 for n, (dt, k) in self.layout.arrays.items()
-                     if homes[n] == "cpu" for nb in _bucket_bytes(k, dt, cfg.bucket_bytes))
-        work = 0
-        if any(h == "nvme" for h in homes.values()):
-            work = working_buckets(self.layout) * cfg.bucket_bytes
-        if pinned + work > cfg.cpu_budget:
+        use = pool_use(self.layout, homes, cfg.cpu_budget)
+        if use.spare < 0:
             raise ValueError(f"store cpu_budget {cfg.cpu_budget} bytes is too small: the state "
-                             f"homed on cpu needs {pinned} bytes and the step's working set on "
-                             f"nvme about {work} more ({total} bytes of state in all)")
-        return cfg.cpu_budget - pinned - work
+                             f"homed on cpu needs {use.pinned} bytes and the step's working set "
+                             f"on nvme about {use.work} more ({total} bytes of state in all)")
+        return use.spare
 
     def array_name(self, name: str) -> str:
         return self.prefix + name

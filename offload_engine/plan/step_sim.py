@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..io.align import ALIGN, round_up
 from ..io.extents import Extents
-from ..optim.step_events import kept_tails, step_events, working_buckets
+from ..optim.step_events import kept_tails, pool_use, step_events
 
 
 @dataclass
@@ -65,10 +65,8 @@ def simulate(layout, arrays: dict, homes: dict[str, str], cpu_budget: int, prefe
         buckets[(name, b)] = _Bucket((name, b), sizes[name][b], homes.get(name, "nvme"))
     n = len(orders[False])
     pool = Extents(round_up(cpu_budget))
-    nvme = any(b.home == "nvme" for b in buckets.values())
-    spare = (cpu_budget - sum(a.pinned_bytes for n, a in arrays.items() if homes.get(n) == "cpu")
-             - (working_buckets(layout) * layout.bucket_bytes if nvme else 0))
-    for key in kept_tails(layout, {n: homes.get(n, "nvme") for n in arrays}, spare):
+    homed = {n: homes.get(n, "nvme") for n in layout.arrays}
+    for key in kept_tails(layout, homed, pool_use(layout, homed, cpu_budget).spare):
         b = buckets[key]       # ZeroMuon acquires these at construction and keeps them
         b.offset = pool.take(b.need)
         b.refs = 1
