@@ -48,7 +48,7 @@ import torch  # noqa: E402
 from bench_step import build_model, loss_of  # noqa: E402
 from bench_store import fio_mixed_gbps  # noqa: E402
 from offload_engine.checkpoint import save_checkpoint, save_checkpoint_async  # noqa: E402
-from offload_engine.optim import ZeroMuon  # noqa: E402
+from offload_engine.optim import ZeroMuon, default_use_muon  # noqa: E402
 from offload_engine.units import parse_bytes  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def run(args, work: str) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes_guess = 0
     for name, p in model.named_parameters():  # Muon: momentum; AdamW: two moments (fp32)
-        state_bytes_guess += p.numel() * 4 * (1 if p.ndim == 2 and "embed" not in name and "lm_head" not in name else 2)
+        state_bytes_guess += p.numel() * 4 * (1 if default_use_muon(name, p) else 2)
     pool = max(int(state_bytes_guess * args.pool_fraction), 8 * args.bucket)
     opt = ZeroMuon(model.named_parameters(), lr=0.02, adamw={"lr": 3e-4},
                    store={"nvme_paths": [os.path.join(work, "state")], "cpu_budget": pool,
