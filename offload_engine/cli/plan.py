@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from .args import byte_size, positive_int
+from .args import aligned_size, byte_size, positive_int
 from ..units import format_bytes, parse_bytes
 
 # the byte model (torch, the optimizer's code) is imported when the command runs, so that
@@ -56,8 +56,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--param-offload", action="store_true",
                    help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer "
                         "step in host memory; the GPU holds gathered units and activations")
-    p.add_argument("--bucket-bytes", type=byte_size, default=64 << 20, metavar="SIZE",
-                   help="store bucket size (default 64MiB)")
+    p.add_argument("--bucket-bytes", type=aligned_size, default=64 << 20, metavar="SIZE",
+                   help="store bucket size, a multiple of 4096 bytes (default 64MiB)")
     p.add_argument("--prefetch-depth", type=int, default=2, help="store prefetch depth (default 2)")
     p.add_argument("--home", choices=("auto", "cpu", "nvme"), default="auto",
                    help="home tier of the state (default auto: cpu when it fits, else nvme)")
@@ -137,8 +137,6 @@ def run(args) -> int:
                        bucket_bytes=args.bucket_bytes, prefetch_depth=args.prefetch_depth,
                        device="cpu" if args.param_offload or args.device == "cpu" else "cuda",
                        gpu=args.device == "cuda")
-    if args.bucket_bytes % 4096 or args.bucket_bytes <= 0:
-        raise ValueError(f"--bucket-bytes {args.bucket_bytes}: must be a positive multiple of 4096")
     if args.prefetch_depth < 0:
         raise ValueError("--prefetch-depth must be >= 0")
     machine = machine_from_args(args)
