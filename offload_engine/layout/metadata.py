@@ -91,17 +91,13 @@ def write_json_atomic(file: str | os.PathLike, doc: dict, *, compact: bool = Fal
     of entries, and indented they are twice the bytes to read and parse. Array metadata
     stays indented (a few hundred bytes, read by people).
     """
-    text = json.dumps(doc, allow_nan=False, **(_COMPACT if compact else _INDENTED)) + "\n"
-    write_text_atomic(file, text)
-
-
-_COMPACT = {"separators": (",", ":")}
-_INDENTED = {"indent": 2}
+    text = compact_json(doc) if compact else json.dumps(doc, allow_nan=False, indent=2)
+    write_text_atomic(file, text + "\n")
 
 
 def compact_json(doc) -> str:
     """``doc`` as compact strict JSON (no NaN), as group manifests are written."""
-    return json.dumps(doc, allow_nan=False, **_COMPACT)
+    return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
 @contextlib.contextmanager
