@@ -26,13 +26,6 @@ PARTIAL = ".partial"
 LATEST = "latest"
 
 
-def __getattr__(name: str):
-    if name == "FORMAT_VERSION":  # the manifest's version, from layout (imported on first use)
-        from ..layout.manifest import MANIFEST_VERSION
-        return MANIFEST_VERSION
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, torn, corrupt or for another model."""
 

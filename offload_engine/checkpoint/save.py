@@ -27,11 +27,12 @@ import torch.distributed as dist
 
 from ..layout import create_group
 from ..layout.dtypes import torch_to_zarr
-from ..layout.manifest import rank_group, shard_entry, tensor_entry, tensor_rows, write_shard_table
+from ..layout.manifest import (MANIFEST_VERSION, rank_group, shard_entry, tensor_entry, tensor_rows,
+                               write_shard_table)
 from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
                                   state_offsets)
 from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
-from .generations import FORMAT, FORMAT_VERSION, PARTIAL, generation_name
+from .generations import FORMAT, PARTIAL, generation_name
 from .buffers import snapshot_buffers
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
@@ -248,7 +249,7 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                if k not in ("params", "param_names") and _jsonable(v)}
               for g in opt.param_groups]
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+    return {"format": FORMAT, "format_version": MANIFEST_VERSION, "step": step,
             "world_size": world, "tensors": tensors, "param_groups": groups,
             "buffers_saved": True}
 
