@@ -44,7 +44,7 @@ def _pieces(opt, info):
 
 def _read_array(opt, info, name: str) -> torch.Tensor:
     chunk, pieces = _pieces(opt, info)
-    dtype = _array_dtype(chunk, name)
+    dtype = chunk.array_dtype(name)
     out = torch.zeros(chunk.sizes[info.index], dtype=dtype, device=opt.device)
     for j, seg in pieces:
         h = opt.store.acquire(opt.array_name(name), chunk.rows[j].buckets[name], device=opt.device)
@@ -53,10 +53,6 @@ def _read_array(opt, info, name: str) -> torch.Tensor:
         finally:
             opt.store.release(h)
     return out.view(_local_shape(opt, info))
-
-
-def _array_dtype(chunk, name: str) -> torch.dtype:
-    return torch.float32 if name == MASTER else chunk.state_dtype
 
 
 def _write_array(opt, info, name: str, value: torch.Tensor | None) -> None:
@@ -148,7 +144,7 @@ def load_state(opt, state_dict: dict) -> None:
                 continue
             for name in chunk.arrays:
                 key = state_key(name)
-                dtype = _array_dtype(chunk, name)
+                dtype = chunk.array_dtype(name)
                 if key not in entry:
                     if key != "master_param":
                         raise KeyError(f"state of parameter {info.name or info.index} has no {key!r}")
