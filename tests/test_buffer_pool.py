@@ -1,3 +1,4 @@
+import gc
 import threading
 import time
 
@@ -96,3 +97,14 @@ def test_pinning_without_cuda_is_a_clear_error():
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         BufferPool(1 << 16, pin=True)
     assert not BufferPool(1 << 16).pinned
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
+def test_a_pool_dropped_without_close_unpins_its_arena():
+    # its arena is unmapped with it; a later pool mapped at the same address must pin
+    for _ in range(4):
+        pool = BufferPool(1 << 16)
+        assert pool.pinned
+        pool.acquire(1000).view(torch.float32).fill_(1)
+        del pool
+        gc.collect()

@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 
 from .align import ALIGN, address_of, aligned_host_region, round_up
 from .extents import Extents
@@ -159,12 +160,15 @@ class BufferPool:
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of {self.capacity} bytes failed with code {int(rc)}")
         self.pinned = True
+        # A pool dropped without close() must not leave its range registered: the arena is
+        # unmapped with the pool, and the next mapping at that address could not be pinned
+        # (cudaHostRegister: 712, already registered). Not at exit: the process ends anyway.
+        self._unregister = weakref.finalize(self, _cuda_host_unregister, self.address)
+        self._unregister.atexit = False
 
     def _unpin(self) -> None:
         if self.pinned:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self._unregister()
             self.pinned = False
 
     # -- allocation ---------------------------------------------------------------------
@@ -266,3 +270,9 @@ class BufferPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cuda_host_unregister(address: int) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(address)
