@@ -1,8 +1,17 @@
-"""Byte sizes as people write them: "8GiB" (binary), "5GB" (decimal), "4096", 4096."""
+"""Byte sizes: the constants (``MiB``, ``PAGE``) and sizes as people write them: "8GiB"
+(binary), "5GB" (decimal), "4096", 4096."""
 
 from __future__ import annotations
 
 import re
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+# bytes: the page, and the alignment O_DIRECT needs of an address, offset and length on
+# every device we target; chunk files and pool buffers are whole pages
+PAGE = 4096
 
 _UNITS = {
     "": 1, "b": 1,

@@ -67,9 +67,9 @@ def make_live_store(root, tensors=None, world_size: int = 4, step: int = 11,
     config = {"nvme_paths": [str(root)], "cpu_budget": "64KiB", "bucket_bytes": "8KiB",
               "prefetch_depth": 1}
     with TieredStore(config) as store:
-        from offload_engine.layout import zarr_to_torch
+        from offload_engine.dtypes import zarr_dtype
         for name, meta in arrays.items():
-            store.register(name, zarr_to_torch(meta["dtype"]), meta["numel"])
+            store.register(name, zarr_dtype(meta["dtype"]).torch, meta["numel"])
         for array, offset, values in writes:
             for lo, hi in store.bucket_ranges(array):
                 a, b = max(lo, offset), min(hi, offset + values.numel())

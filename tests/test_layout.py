@@ -14,8 +14,8 @@ from offload_engine.io import aligned_host_buffer
 from offload_engine.layout import (ChunkSizeError, FlatArray, ForeignArrayError, MetadataError,
                                    NodeNotFoundError, TruncatedChunkError, create_group,
                                    list_arrays, list_children, list_groups, read_group,
-                                   torch_to_zarr, write_group_attributes, zarr_to_torch)
-from offload_engine.layout.dtypes import ZARR_NAMES
+                                   write_group_attributes)
+from offload_engine.dtypes import ZARR_NAMES, dtype, zarr_dtype
 
 GiB = 1 << 30
 PAGE = 4096
@@ -197,15 +197,17 @@ def test_update_attributes_is_atomic_and_keeps_fields(tmp_path, io):
 
 
 def test_dtype_names_map_both_ways():
-    assert torch_to_zarr(torch.bfloat16) == "bfloat16"
-    assert torch_to_zarr(torch.float32) == "float32"
-    assert zarr_to_torch("int64") is torch.int64
+    assert dtype(torch.bfloat16).name == "bfloat16"
+    assert dtype(torch.float32).name == "float32"
+    assert zarr_dtype("int64").torch is torch.int64
     for name in ZARR_NAMES:
-        assert torch_to_zarr(zarr_to_torch(name)) == name
+        assert zarr_dtype(dtype(zarr_dtype(name).torch).name).name == name
     with pytest.raises(ValueError, match="complex64"):
-        torch_to_zarr(torch.complex64)
+        zarr_dtype(dtype(torch.complex64).name)
     with pytest.raises(ValueError):
-        zarr_to_torch("complex64")
+        zarr_dtype("complex64")
+    with pytest.raises(ValueError, match="complex64"):
+        FlatArray.create("/nonexistent/x", 4, torch.complex64, io=None)
 
 
 # -- validation ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from ..io import AsyncFileIO
 from ..layout import FlatArray
-from ..layout.dtypes import torch_to_zarr, zarr_to_torch
+from .. import dtypes
 from ..layout.manifest import ranks_holding_rows, rows_per_rank, tensor_rows
 from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
 from .buffers import persistent_buffers
@@ -47,10 +47,10 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
         entry = tensors.get(pname)
         if entry is None:
             raise CheckpointError(f"{gen}: the checkpoint has no parameter {pname!r}")
-        if tuple(entry["shape"]) != info.shape or entry["dtype"] != torch_to_zarr(info.dtype):
+        if tuple(entry["shape"]) != info.shape or entry["dtype"] != dtypes.dtype(info.dtype).name:
             raise CheckpointError(
                 f"{gen}: parameter {pname} is {entry['dtype']} {entry['shape']} in the "
-                f"checkpoint but {torch_to_zarr(info.dtype)} {list(info.shape)} in the model")
+                f"checkpoint but {dtypes.dtype(info.dtype).name} {list(info.shape)} in the model")
         r = rank if info.distributed else 0
         lo, rows = info.row_offset(r), info.rows_per_rank[r]
         wanted[pname] = (info, entry, lo, rows)
@@ -112,7 +112,7 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
                 if key not in saved_states:
                     raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
                 write_param_state(opt, info, key, gather(pname, pieces, lo, rows, info.row_numel,
-                                                         key, zarr_to_torch(saved_states[key])))
+                                                         key, dtypes.zarr_dtype(saved_states[key]).torch))
             mark_restored(opt, info, entry.get("adam_step"))
         for name, buf in buffers.items():  # whole on every rank, from rank 0's copy
             row_numel = math.prod(buf.shape[1:])
@@ -143,8 +143,8 @@ def _buffers_to_restore(gen: str, attrs: dict, model) -> dict[str, torch.Tensor]
         raise CheckpointError(f"{gen}: the checkpoint's buffer {extra[0]!r} is not in the model")
     for name, buf in model_buffers.items():
         entry = tensors[name]
-        if tuple(entry["shape"]) != tuple(buf.shape) or entry["dtype"] != torch_to_zarr(buf.dtype):
+        if tuple(entry["shape"]) != tuple(buf.shape) or entry["dtype"] != dtypes.dtype(buf.dtype).name:
             raise CheckpointError(
                 f"{gen}: buffer {name} is {entry['dtype']} {entry['shape']} in the checkpoint "
-                f"but {torch_to_zarr(buf.dtype)} {list(buf.shape)} in the model")
+                f"but {dtypes.dtype(buf.dtype).name} {list(buf.shape)} in the model")
     return model_buffers

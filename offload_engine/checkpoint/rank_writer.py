@@ -26,7 +26,7 @@ import torch
 from ..io import AsyncFileIO
 from ..io.page_cache import sync_tree
 from ..layout import FlatArray
-from ..layout.dtypes import torch_to_zarr
+from .. import dtypes
 from ..layout.manifest import rank_group
 from .checksums import SequentialChunkCrc, padded_crc32c
 from .staged_writer import StagedWriter, StagingBlocks
@@ -153,7 +153,7 @@ class RankWriter:
         self.close()
         sync_tree(os.path.join(self.staging, rank_group(self.rank)))
         return {"checksums": self.checksums,
-                "arrays": {n: {"dtype": torch_to_zarr(a.dtype), "numel": a.numel}
+                "arrays": {n: {"dtype": dtypes.dtype(a.dtype).name, "numel": a.numel}
                            for n, a in self.arrays.items()}}
 
     def close(self) -> None:

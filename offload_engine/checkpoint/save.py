@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import create_group
-from ..layout.dtypes import torch_to_zarr
+from .. import dtypes
 from ..layout.manifest import (MANIFEST_VERSION, rank_group, shard_entry, tensor_entry, tensor_rows,
                                write_shard_table)
 from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
@@ -42,7 +42,7 @@ COMMIT_TIMEOUT_S = 3600.0       # how long rank 0 waits for the others' parts
 
 
 def array_name(rank: int, key: str, dtype: torch.dtype) -> str:
-    suffix = "" if dtype == torch.float32 else "." + torch_to_zarr(dtype)
+    suffix = "" if dtype == torch.float32 else "." + dtypes.dtype(dtype).name
     return f"rank{rank}/{key}{suffix}"
 
 
@@ -237,15 +237,15 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
     step, world size, parameter groups."""
     tensors = {}
     for name, buf in buffers.items():
-        dtype = torch_to_zarr(buf.dtype)
+        dtype = dtypes.dtype(buf.dtype).name
         tensors[name] = tensor_entry(buf.shape, dtype, None, {"param": dtype},
                                      [tensor_rows(buf.shape)] + [0] * (world - 1), world)
         tensors[name]["buffer"] = True
     for info in opt.infos:
         held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
         tensors[param_name(info)] = tensor_entry(
-            info.shape, torch_to_zarr(info.dtype), info.kind,
-            {k: torch_to_zarr(dt) for k, dt in saved_states(opt, info).items()}, held, world)
+            info.shape, dtypes.dtype(info.dtype).name, info.kind,
+            {k: dtypes.dtype(dt).name for k, dt in saved_states(opt, info).items()}, held, world)
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                if k not in ("params", "param_names") and _jsonable(v)}
               for g in opt.param_groups]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import mmap
 import sys
 
-ALIGN = 4096  # bytes
+from ..units import PAGE
+
+ALIGN = PAGE  # bytes: O_DIRECT alignment of addresses, offsets and lengths
 
 
 def round_up(nbytes: int, align: int = ALIGN) -> int:

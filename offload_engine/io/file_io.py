@@ -24,12 +24,12 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from ..units import MiB
 from .align import ALIGN, address_of, as_byte_view, is_aligned
 from .errors import FileIOError, TruncatedFileError
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 # Linux moves at most this many bytes in one read/write call (MAX_RW_COUNT).
 _LINUX_MAX_RW = 0x7FFFF000
 

@@ -9,6 +9,10 @@ fill value; nothing is read, the fill is written into the caller's buffer) or ex
 Arrays written by other tools are served directly when their chunks are plain
 little-endian bytes. Compressed, sharded or big-endian 1-D arrays are read through
 zarr-python (slow, correct) and refused for writing; anything else is refused at open.
+
+Neither torch nor zarr-python is imported here: buffers may be tensors (torch is then
+already imported by whoever made them), numpy arrays or any writable buffer; ``read``,
+which returns a new tensor, imports torch, and the slow path imports zarr-python.
 """
 
 from __future__ import annotations
@@ -16,19 +20,22 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import threading
+from typing import Iterable
 
 import numpy as np
-import torch
 
+from .. import dtypes
+from ..dtypes import DType
 from ..io import AsyncFileIO, FileIOError, IOFuture, PooledBuffer, TruncatedFileError
 from ..io.align import as_byte_view
-from . import dtypes
-from .metadata import (PAGE, ArrayMetadata, ForeignArrayError, MetadataError,
-                       NodeNotFoundError, fsync_dir, metadata_path, new_array_doc, parse_array,
-                       json_attributes, read_node, write_json_atomic)
+from ..units import PAGE, MiB
+from .fill_values import bytes_to_scalar
+from .metadata import (ArrayMetadata, ForeignArrayError, MetadataError, NodeNotFoundError,
+                       fsync_dir, metadata_path, new_array_doc, parse_array, json_attributes,
+                       read_node, write_json_atomic)
 
-MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 64 * MiB
 
 
@@ -55,10 +62,13 @@ class FlatArray:
         self._mode = mode
         self._create_lock = threading.Lock()  # stat-then-create of a chunk is one step
         self._zarr_array = None  # opened on first slow-path read
+        # chunk indices known to have a full-size file, when the owner declared them
+        # (``track_chunks``); None: ask the file system at each access
+        self._present: set[int] | None = None
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | os.PathLike, numel: int, dtype: torch.dtype, *,
+    def create(cls, path: str | os.PathLike, numel: int, dtype, *,
                io: AsyncFileIO, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                attributes: dict | None = None, dimension_name: str = "element",
                preallocate: bool = False, overwrite: bool = False) -> "FlatArray":
@@ -66,7 +76,8 @@ class FlatArray:
 
         Args:
             numel: elements in the array.
-            dtype: element type (see ``dtypes``: float32, bfloat16, float16, float64, the
+            dtype: element type: a torch or numpy dtype, a name or an
+                ``offload_engine.dtypes.DType`` (float32, bfloat16, float16, float64, the
                 integer types and bool).
             chunk_bytes: bytes per chunk file, a positive multiple of 4096. It is capped at
                 the array's size rounded up to 4096, so a small array is one small file
@@ -81,7 +92,10 @@ class FlatArray:
         fill value (0) and a preallocated one reads as zeros.
         """
         path = os.fspath(path)
-        element = dtypes.from_torch(dtype)
+        element = dtypes.dtype(dtype)
+        if not element.zarr:
+            raise ValueError(f"array {path}: dtype {element} cannot be stored in a zarr v3 "
+                             f"array here; supported: {', '.join(dtypes.ZARR_NAMES)}")
         numel = _count(numel, "numel", path)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) \
                 or chunk_bytes <= 0 or chunk_bytes % PAGE:
@@ -130,13 +144,19 @@ class FlatArray:
         return self._meta.numel
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self._meta.element.torch_dtype
+    def element(self) -> DType:
+        """The element type (``offload_engine.dtypes``; no torch needed)."""
+        return self._meta.element
+
+    @property
+    def dtype(self):
+        """The element type as a torch dtype (imports torch)."""
+        return self._meta.element.torch
 
     @property
     def zarr_dtype(self) -> str:
         """The zarr v3 ``data_type`` name."""
-        return self._meta.element.zarr_name
+        return self._meta.element.name
 
     @property
     def itemsize(self) -> int:
@@ -160,7 +180,7 @@ class FlatArray:
     @property
     def fill_value(self):
         """The value of never-written elements, as a Python bool, int or float."""
-        return dtypes.bytes_to_scalar(self._meta.element, self._meta.fill_bytes)
+        return bytes_to_scalar(self._meta.element, self._meta.fill_bytes)
 
     @property
     def attributes(self) -> dict:
@@ -223,8 +243,11 @@ class FlatArray:
                 futures.append(IOFuture.completed(length))
         return IOFuture.gather(futures)
 
-    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Elements [start, stop) (default: all) as a new CPU tensor; waits for the I/O."""
+    def read(self, start: int = 0, stop: int | None = None):
+        """Elements [start, stop) (default: all) as a new CPU tensor; waits for the I/O.
+        Imports torch."""
+        import torch
+
         stop = self.numel if stop is None else stop
         start, stop = self._check_range(start, stop)
         out = torch.empty(stop - start, dtype=self.dtype)
@@ -258,9 +281,10 @@ class FlatArray:
                            sync=sync)
             for chunk, chunk_off, buf_off, length in spans])
 
-    def write(self, start: int, tensor: torch.Tensor, *, sync: bool = False) -> None:
-        """Write ``tensor`` (flattened) at element ``start``; waits for the I/O."""
-        if not isinstance(tensor, torch.Tensor):
+    def write(self, start: int, tensor, *, sync: bool = False) -> None:
+        """Write ``tensor`` (a torch tensor, flattened) at element ``start``; waits for the I/O."""
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(tensor, torch.Tensor):
             raise ValueError(f"array {self.path}: write() takes a tensor, got {type(tensor).__name__}")
         flat = tensor.detach().reshape(-1)
         if flat.device.type != "cpu":
@@ -307,9 +331,11 @@ class FlatArray:
     def _buffer_view(self, buf, nbytes: int, role: str, writable: bool) -> memoryview:
         """A flat byte view of the first ``nbytes`` bytes of ``buf``, validated."""
         where = f"array {self.path}: {role}"
-        if isinstance(buf, torch.Tensor):
-            if buf.dtype != self.dtype:
-                raise ValueError(f"{where} has dtype {buf.dtype}, the array holds {self.dtype}")
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(buf, torch.Tensor):
+            if dtypes.lookup(buf.dtype) != self.element:
+                raise ValueError(f"{where} has dtype {buf.dtype}, the array holds "
+                                 f"{self.element}")
             if buf.device.type != "cpu":
                 raise ValueError(f"{where} is on {buf.device}; file I/O needs a CPU tensor")
             if not buf.is_contiguous():
@@ -318,6 +344,14 @@ class FlatArray:
                 raise ValueError(f"{where} has {buf.numel()} elements; the range needs "
                                  f"{nbytes // self.itemsize}")
             view = as_byte_view(buf)
+        elif isinstance(buf, np.ndarray):
+            if buf.dtype.itemsize != self.itemsize:
+                raise ValueError(f"{where} has dtype {buf.dtype}, the array holds "
+                                 f"{self.element}")
+            view = as_byte_view(buf)  # bfloat16 arrays have no buffer protocol of their own
+            if len(view) < nbytes:
+                raise ValueError(f"{where} has {buf.size} elements; the range needs "
+                                 f"{nbytes // self.itemsize}")
         elif isinstance(buf, PooledBuffer):
             if buf.nbytes < nbytes:
                 raise ValueError(f"{where} is a pooled buffer of {buf.nbytes} bytes; the range "
@@ -348,8 +382,18 @@ class FlatArray:
             yield chunk, (pos - chunk * ce) * size, (pos - start) * size, (end - pos) * size
             pos = end
 
+    def track_chunks(self, present: Iterable[int]) -> None:
+        """Declare which chunk files exist (full size), so that reads and writes trust this
+        record instead of asking the file system at every access; chunks this object
+        creates are added. For an owner that is the array's only writer (the store, which
+        knows its buckets' chunks): a file changed behind its back then surfaces as an I/O
+        error of the read itself (a short file is a TruncatedFileError naming it)."""
+        self._present = {int(i) for i in present}
+
     def _chunk_state(self, chunk: int, op: str) -> bool:
         """True if chunk ``chunk`` has its file, False if absent; error if the size is wrong."""
+        if self._present is not None:
+            return chunk in self._present
         path = self.chunk_path(chunk)
         try:
             size = os.stat(path).st_size
@@ -377,6 +421,8 @@ class FlatArray:
             path = self.chunk_path(chunk)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             self._io.preallocate(path, self.chunk_bytes)
+            if self._present is not None:
+                self._present.add(chunk)
             if any(self._meta.fill_bytes):
                 # Only foreign arrays have a non-zero fill; the untouched rest of the chunk
                 # must read as that fill, not as preallocated zeros.
@@ -395,7 +441,7 @@ class FlatArray:
 
                 self._zarr_array = zarr.open_array(self.path, mode="r")
             data = np.asarray(self._zarr_array[start:stop])
-            expected = self._meta.element.numpy_dtype
+            expected = self._meta.element.numpy
             if data.dtype != expected:
                 if data.dtype.newbyteorder("=") != expected.newbyteorder("="):
                     raise ForeignArrayError(f"array {self.path}: zarr-python returned {data.dtype}"
@@ -420,15 +466,14 @@ def _count(value, name: str, path: str) -> int:
 
 
 def _fill(view: memoryview, element_bytes: bytes) -> None:
-    """Fill ``view`` with repeats of one element's bytes, in torch (no Python loop)."""
+    """Fill ``view`` with repeats of one element's bytes (numpy, no Python loop)."""
     if not len(view):
         return
-    target = torch.frombuffer(view, dtype=torch.uint8)
+    target = np.frombuffer(view, dtype=np.uint8)
     if not any(element_bytes):
-        target.zero_()
+        target[:] = 0
         return
-    pattern = torch.tensor(list(element_bytes), dtype=torch.uint8)
-    target.view(-1, len(element_bytes)).copy_(pattern)
+    target.reshape(-1, len(element_bytes))[:] = np.frombuffer(element_bytes, dtype=np.uint8)
 
 
 def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> None:

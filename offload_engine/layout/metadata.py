@@ -15,11 +15,12 @@ import os
 import uuid
 from dataclasses import dataclass, field
 
-from . import dtypes
-from .dtypes import ElementType
+from .. import dtypes
+from ..dtypes import DType
+from ..units import PAGE  # chunk files of our arrays are a whole number of pages (O_DIRECT)
+from .fill_values import default_fill_json, fill_to_bytes
 
 ZARR_JSON = "zarr.json"
-PAGE = 4096  # bytes; chunk files of our arrays are a whole number of pages (O_DIRECT)
 
 _KNOWN_ARRAY_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid",
                      "chunk_key_encoding", "fill_value", "codecs", "attributes",
@@ -151,7 +152,7 @@ class ArrayMetadata:
 
     path: str
     numel: int  # elements
-    element: ElementType
+    element: DType
     chunk_elems: int  # elements per chunk
     key_prefix: str  # chunk i lives at <path>/<key_prefix><i>
     fill_json: object
@@ -171,17 +172,17 @@ class ArrayMetadata:
         return f"{self.key_prefix}{index}"
 
 
-def new_array_doc(numel: int, element: ElementType, chunk_elems: int, attributes: dict,
+def new_array_doc(numel: int, element: DType, chunk_elems: int, attributes: dict,
                   dimension_name: str) -> dict:
     """The zarr.json the engine writes for a 1-D flat array of ``numel`` elements."""
     return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": [numel],
-        "data_type": element.zarr_name,
+        "data_type": element.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_elems]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": dtypes.default_fill_json(element),
+        "fill_value": default_fill_json(element),
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
         "attributes": attributes,
         "dimension_names": [dimension_name],
@@ -211,8 +212,8 @@ def parse_array(path: str, doc: dict) -> ArrayMetadata:
     if len(shape) != 1:
         raise ForeignArrayError(f"array {path} is {len(shape)}-dimensional (shape {shape}); "
                                 f"only 1-D flat arrays are supported")
-    element = dtypes.from_zarr(doc["data_type"])
-    if element is None:
+    element = dtypes.BY_NAME.get(doc["data_type"]) if isinstance(doc["data_type"], str) else None
+    if element is None or not element.zarr:
         raise ForeignArrayError(f"array {path}: data type {doc['data_type']!r} is not "
                                 f"supported (supported: {', '.join(dtypes.ZARR_NAMES)})")
     if doc.get("storage_transformers"):
@@ -220,7 +221,7 @@ def parse_array(path: str, doc: dict) -> ArrayMetadata:
     chunk_elems = _parse_chunk_grid(path, doc["chunk_grid"])
     key_prefix = _parse_key_encoding(path, doc["chunk_key_encoding"])
     try:
-        fill_bytes = dtypes.fill_to_bytes(element, doc["fill_value"])
+        fill_bytes = fill_to_bytes(element, doc["fill_value"])
     except ValueError as e:
         raise MetadataError(f"{file}: invalid fill_value: {e}") from None
     return ArrayMetadata(path=path, numel=shape[0], element=element, chunk_elems=chunk_elems,
@@ -277,7 +278,7 @@ def _parse_key_encoding(path: str, encoding) -> str:
     raise ForeignArrayError(f"array {path}: chunk key encoding {name!r} is not supported")
 
 
-def _direct_problem(path: str, codecs, element: ElementType) -> str | None:
+def _direct_problem(path: str, codecs, element: DType) -> str | None:
     """None when chunk files are raw little-endian elements, else why they are not."""
     file = metadata_path(path)
     if not isinstance(codecs, list) or not codecs:
@@ -299,7 +300,7 @@ def _direct_problem(path: str, codecs, element: ElementType) -> str | None:
     endian = config.get("endian")
     if endian is None and element.itemsize > 1:
         raise MetadataError(f"{file}: the bytes codec needs an 'endian' for the "
-                            f"{element.itemsize}-byte type {element.zarr_name}")
+                            f"{element.itemsize}-byte type {element.name}")
     if endian == "big" and element.itemsize > 1:
         return "big-endian bytes codec is not supported for direct I/O"
     if endian not in (None, "little", "big"):

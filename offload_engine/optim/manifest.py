@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..layout.dtypes import torch_to_zarr
+from .. import dtypes
 from ..layout.manifest import shard_entry, tensor_entry
 from .state_io import state_key
 
@@ -33,8 +33,8 @@ def manifest_tables(infos, layout, rank: int, world: int, array_name: Callable[[
         rows = rows_of(info)
         offset = chunk.offsets[info.index]
         name = info.name or f"param.{info.index}"
-        dtypes = {state_key(a): torch_to_zarr(chunk.array_dtype(a)) for a in chunk.arrays}
-        tensors[name] = tensor_entry(info.shape, torch_to_zarr(info.dtype), info.kind, dtypes,
+        state_dtypes = {state_key(a): dtypes.dtype(chunk.array_dtype(a)).name for a in chunk.arrays}
+        tensors[name] = tensor_entry(info.shape, dtypes.dtype(info.dtype).name, info.kind, state_dtypes,
                                      rows, world)
         row_start = sum(rows[:rank]) if info.distributed else 0
         shards[name] = shard_entry(row_start, rows[rank], chunk.sizes[info.index],

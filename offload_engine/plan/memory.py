@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..io.align import round_up
-from ..layout import dtypes as zdtypes
+from .. import dtypes
 from ..layout.group import group_doc
 from ..layout.manifest import MANIFEST_VERSION, SHARDS, fsdp_rows
 from ..layout.metadata import compact_json, new_array_doc
@@ -188,7 +188,7 @@ class ArrayPlan:
 
     def metadata_bytes(self) -> int:
         """Size of the array's zarr.json as FlatArray writes it."""
-        element = zdtypes.from_torch(self.dtype)
+        element = dtypes.dtype(self.dtype)
         doc = new_array_doc(self.numel, element, self.chunk_bytes // self.itemsize,
                             {"offload_engine": {"home": "nvme"}}, "element")
         return len(json.dumps(doc, indent=2, allow_nan=False)) + 1
@@ -361,7 +361,7 @@ def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
     ``tables`` = ``rank_tables(...)`` merged into it) and the shard table in
     ``rank{r}/zarr.json``."""
     attrs = {"format": "offload-engine-store", "format_version": MANIFEST_VERSION,
-             "arrays": {f"rank0/{a.name}": {"dtype": zdtypes.from_torch(a.dtype).zarr_name,
+             "arrays": {f"rank0/{a.name}": {"dtype": dtypes.dtype(a.dtype).name,
                                             "numel": a.numel, "home": "nvme",
                                             "bucket_elems": a.bucket_elems} for a in arrays},
              "stripes": stripes}

@@ -23,7 +23,7 @@ import torch
 
 from ..io import AsyncFileIO, BufferPool, PoolExhaustedError
 from ..layout import FlatArray, create_group, read_group, write_group_attributes
-from ..layout.dtypes import torch_to_zarr
+from .. import dtypes
 from ..layout.manifest import MANIFEST_VERSION
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .config import StoreConfig
@@ -137,7 +137,7 @@ class TieredStore:
             raise ValueError(f"array name {name!r}: use letters, digits, '_', '.', '-' and '/'")
         if numel < 0:
             raise ValueError(f"array {name}: numel must be >= 0, got {numel}")
-        torch_to_zarr(dtype)  # raises for an unsupported dtype
+        dtypes.zarr_dtype(dtypes.dtype(dtype).name)  # raises for a dtype no array can hold
         itemsize = torch.empty((), dtype=dtype).element_size()
         with self._lock:
             if name in self._arrays:
@@ -217,7 +217,7 @@ class TieredStore:
                 os.symlink(target, link)
 
     def _write_manifest(self) -> None:
-        arrays = {a.name: {"dtype": torch_to_zarr(a.dtype), "numel": a.numel, "home": a.home,
+        arrays = {a.name: {"dtype": dtypes.dtype(a.dtype).name, "numel": a.numel, "home": a.home,
                            "bucket_elems": a.bucket_elems}
                   for a in self._arrays.values() if a.home == "nvme"}
         write_group_attributes(self.root, {**self._manifest_extra, "format": FORMAT,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from offload_engine.io import BufferPool
-from offload_engine.layout import dtypes as layout_dtypes
+from offload_engine import dtypes
 from offload_engine.layout.metadata import replacing
 
 from ..dtypes import as_dtype
@@ -47,7 +47,7 @@ def _numpy_dtype(dtype: torch.dtype, path: str) -> np.dtype:
         raise InspectError(f"{path}: numpy has no bfloat16; pass --dtype float32 or write "
                            f".safetensors / .pt")
     try:
-        return layout_dtypes.from_torch(dtype).numpy_dtype
+        return dtypes.dtype(dtype).numpy
     except ValueError as e:
         raise InspectError(f"{path}: {e}") from None
 

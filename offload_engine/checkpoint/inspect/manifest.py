@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from offload_engine.layout import zarr_to_torch
+from offload_engine import dtypes
 from offload_engine.layout.manifest import MANIFEST_VERSION, fsdp_rows, held_ranks
 
 from .errors import InspectError
@@ -79,7 +79,7 @@ def _int(value, what: str, where: str, minimum: int = 0) -> int:
 
 def _dtype(name, what: str, where: str) -> torch.dtype:
     try:
-        return zarr_to_torch(name)
+        return dtypes.zarr_dtype(name).torch
     except (ValueError, TypeError):
         raise InspectError(f"{where}: {what} has unknown dtype {name!r}") from None
 

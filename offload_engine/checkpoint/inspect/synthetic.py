@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 from offload_engine.io import AsyncFileIO
-from offload_engine.layout import FlatArray, create_group, torch_to_zarr, zarr_to_torch
+from offload_engine import dtypes
+from offload_engine.layout import FlatArray, create_group
 from offload_engine.layout.manifest import (MANIFEST_VERSION, fsdp_rows, shard_entry,
                                             tensor_entry, tensor_rows, write_shard_table)
 
@@ -62,7 +63,7 @@ def plan_sharded(tensors: dict, world_size: int) -> ShardedPlan:
         shape = list(spec["shape"])
         rows = tensor_rows(shape)
         row_numel = math.prod(shape[1:])
-        zdtypes = {state: torch_to_zarr(value.dtype if isinstance(value, torch.Tensor) else value)
+        zdtypes = {state: dtypes.dtype(value.dtype if isinstance(value, torch.Tensor) else value).name
                    for state, value in spec["states"].items()}
         blocks = row_blocks(rows, world_size)
         for r, (row_start, nrows) in enumerate(blocks):
@@ -80,7 +81,7 @@ def plan_sharded(tensors: dict, world_size: int) -> ShardedPlan:
                     writes.append((array, offset,
                                    flat[row_start * row_numel:row_start * row_numel + numel]))
             shards[r][name] = shard_entry(row_start, nrows, numel, states)
-        entries[name] = tensor_entry(shape, torch_to_zarr(spec["dtype"]), spec.get("optimizer"),
+        entries[name] = tensor_entry(shape, dtypes.dtype(spec["dtype"]).name, spec.get("optimizer"),
                                      zdtypes, [n for _, n in blocks], world_size)
     for array, n in cursors.items():
         arrays[array]["numel"] = n
@@ -104,9 +105,9 @@ def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "ch
         plan = plan_sharded(tensors, world_size)
         if kind == "store":
             for meta in plan.arrays.values():
-                size = torch.empty((), dtype=zarr_to_torch(meta["dtype"])).element_size()
+                size = torch.empty((), dtype=dtypes.zarr_dtype(meta["dtype"]).torch).element_size()
                 meta.update(home="nvme", bucket_elems=chunk_bytes // size)
-        flats = {a: FlatArray.create(os.path.join(group, a), m["numel"], zarr_to_torch(m["dtype"]),
+        flats = {a: FlatArray.create(os.path.join(group, a), m["numel"], dtypes.zarr_dtype(m["dtype"]).torch,
                                      io=io, chunk_bytes=chunk_bytes, overwrite=True)
                  for a, m in plan.arrays.items()}
         if data:
