@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Report imports that go up the package's layer order.
+
+Usage: python tools/check_layers.py [PACKAGE_DIR]   (default: this repository's offload_engine)
+
+A module may import from its own layer or a lower one. The base modules may be imported by
+any layer and import no layer themselves. Every sub-package and top-level module must be in
+ORDER or BASE: one that is in neither is reported, so a new package cannot escape the check
+by not being listed. Imports inside functions count like top-level ones: a lazy import still
+ties the layers together, it only hides it until the call.
+
+Exit 0 when clean; 1 with one line per violation (file:line: what imports what); 2 when
+PACKAGE_DIR is not a folder.
+"""
+
+import ast
+import pathlib
+import sys
+
+# The layers, lowest first: the one list; docs cite it rather than copy it.
+ORDER = ["io", "layout", "store", "optim", "formats", "checkpoint", "offline", "plan", "demo",
+         "cli"]
+# Top-level modules (offload_engine/<name>.py) below every layer. "__init__" is the package
+# itself: `import offload_engine` and `from offload_engine import __version__` reach it.
+BASE = ["__init__", "units", "dtypes"]
+
+DEFAULT_PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "offload_engine"
+
+
+def module_parts(root, path):
+    """("io", "align") for root/io/align.py, ("io",) for root/io/__init__.py, () for the root."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def unit_of(parts):
+    """The layer or base module a dotted path (as parts, package name dropped) belongs to."""
+    return parts[0] if parts else "__init__"
+
+
+def imported(node, parts, is_package, pkg, units):
+    """The package-internal modules an import statement reaches, as parts without `pkg`.
+
+    `from X import a` names X, except at the package root, where `a` may be a sub-package or
+    top-level module (`from .. import cli`) rather than an attribute of __init__.py.
+    """
+    if isinstance(node, ast.Import):
+        return [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == pkg]
+    if node.level:
+        here = list(parts) if is_package else list(parts[:-1])
+        up = node.level - 1
+        if up > len(here):
+            return []  # beyond the package: Python itself refuses it
+        base = here[: len(here) - up] + (node.module.split(".") if node.module else [])
+    elif node.module and node.module.split(".")[0] == pkg:
+        base = node.module.split(".")[1:]
+    else:
+        return []
+    if base:
+        return [base]
+    return [[a.name] if a.name in units or a.name in ORDER or a.name in BASE else []
+            for a in node.names]
+
+
+def check(root):
+    """Violation lines for the package at root, sorted by file."""
+    root = pathlib.Path(root)
+    pkg = root.name
+    files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    units = {unit_of(module_parts(root, p)) for p in files}
+    bad = []
+    for name in sorted(units - set(ORDER) - set(BASE)):
+        where = root / name if (root / name).is_dir() else root / f"{name}.py"
+        bad.append(f"{where.relative_to(root.parent)}: {name} is not in the layer order "
+                   f"(add it to ORDER or BASE in tools/check_layers.py)")
+    for path in files:
+        parts = module_parts(root, path)
+        here = unit_of(parts)
+        if here not in ORDER and here not in BASE:
+            continue  # reported above
+        shown = path.relative_to(root.parent)
+        try:
+            tree = ast.parse(path.read_text(), str(path))
+        except SyntaxError as exc:
+            bad.append(f"{shown}: cannot parse ({exc.msg}, line {exc.lineno})")
+            continue
+        for node in ast.walk(tree):  # every node: imports inside functions count too
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in imported(node, parts, path.name == "__init__.py", pkg, units):
+                there = unit_of(target)
+                what = ".".join([pkg, *target])
+                if there == here or there in BASE or there not in ORDER:
+                    continue  # same layer, the base, or an unknown unit (reported above)
+                if here in BASE:
+                    bad.append(f"{shown}:{node.lineno}: base module {here} imports layer "
+                               f"{there} ({what})")
+                elif ORDER.index(there) > ORDER.index(here):
+                    bad.append(f"{shown}:{node.lineno}: {here} imports {there}, a higher "
+                               f"layer ({what})")
+    return bad
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    root = pathlib.Path(argv[0]) if argv else DEFAULT_PACKAGE
+    if not root.is_dir():
+        print(f"check_layers: {root} is not a package folder", file=sys.stderr)
+        return 2
+    bad = check(root.resolve())
+    for line in bad:
+        print(line)
+    if bad:
+        print(f"{len(bad)} violation(s) of the layer order {' < '.join(ORDER)}, "
+              f"base {', '.join(BASE)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
