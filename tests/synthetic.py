@@ -1,7 +1,7 @@
 """Write stores and checkpoints in the documented format (docs/format.md, "Manifest") from
 tensors in memory: for tests, benchmarks and examples. The manifest goes through the same
 helpers as ``checkpoint.save`` and the optimizer's store manifest (``layout.manifest``:
-tensor entries, shard entries, shard tables; ``checkpoint.checksums``: chunk checksums).
+tensor entries, shard entries, shard tables; ``layout.checksums``: chunk checksums).
 
 Layout: every state ``s`` of rank ``r`` is one array ``rank{r}/{s}`` (``rank{r}/{s}_<dtype>``
 for states not in float32, as the optimizer names them); each tensor is split
@@ -20,16 +20,16 @@ from typing import NamedTuple
 
 import torch
 
-from offload_engine.io import AsyncFileIO
 from offload_engine import dtypes
+from offload_engine.io import AsyncFileIO
 from offload_engine.layout import FlatArray, create_group
-from offload_engine.layout.manifest import (MANIFEST_VERSION, fsdp_rows, shard_entry,
-                                            tensor_entry, tensor_rows, write_shard_table)
+from offload_engine.layout.checksums import chunk_checksums
+from offload_engine.layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, STORE_FORMAT,
+                                            fsdp_rows, shard_entry, tensor_entry, tensor_rows,
+                                            write_shard_table)
+from offload_engine.units import MiB
 
-from ..checksums import chunk_checksums
-from .manifest import FORMATS
-
-MiB = 1 << 20
+FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
 
 
 class ShardedPlan(NamedTuple):

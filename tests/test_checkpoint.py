@@ -76,6 +76,7 @@ def load_and_check(rank, world, mesh, tmp, src, resave, setup=mixed_model):
     opt.close()
 
 
+@pytest.mark.multiprocess
 def test_round_trip_is_bitwise_and_reshards(tmp_path):
     tmp = str(tmp_path)
     spawn(2, train_and_save, tmp)
@@ -222,6 +223,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_kill_9_never_leaves_a_checkpoint_that_loads_but_is_wrong(tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     rng = random.Random(1234)
@@ -280,6 +282,7 @@ def write_two_live_stores(rank, world, mesh, tmp):
     opt.close()
 
 
+@pytest.mark.multiprocess
 def test_live_stores_of_two_ranks_list_and_read_their_own_rows(tmp_path, capsys):
     """Each rank's store holds the tensor table (world size 2, its own "rank") and only its
     own shard table: listed alone it counts its own bytes, its statistics cover its rows,
@@ -321,6 +324,7 @@ def amsgrad_b_model(mesh, seed: int, store_dir: str):
     return model, ref, opt, ref_opts
 
 
+@pytest.mark.multiprocess
 def test_state_with_no_rows_on_some_ranks_round_trips_bitwise(tmp_path):
     """Ranks with no element of a state save and load nothing of it (an empty array); the
     checkpoint is complete, and loads bitwise at the same and at another world size."""

@@ -83,6 +83,7 @@ def train_save_async_and_go_on(rank, world, mesh, tmp):
     opt.close()
 
 
+@pytest.mark.multiprocess
 def test_async_save_holds_the_state_of_its_call_while_two_steps_run(tmp_path):
     tmp = str(tmp_path)
     spawn(2, train_save_async_and_go_on, tmp)

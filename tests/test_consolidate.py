@@ -8,13 +8,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from offload_engine.checkpoint.consolidate import (TensorInfo, consolidate, output_dtype,
-                                                   verify_output)
-from offload_engine.checkpoint.deepspeed import DeepSpeedSource
-from offload_engine.checkpoint.dtypes import BFLOAT16, FLOAT32, as_dtype, as_torch_view, to_torch
-from offload_engine.checkpoint.safetensors_writer import (OutTensor, parse_size, plan_files,
-                                                          split_shards)
 from offload_engine.cli.main import main
+from offload_engine.dtypes import BFLOAT16, FLOAT32, dtype as as_dtype
+from offload_engine.formats import TensorMeta
+from offload_engine.formats.deepspeed import DeepSpeedSource
+from offload_engine.offline.casts import as_torch_view
+from offload_engine.offline.consolidate import consolidate, output_dtype, verify_output
+from offload_engine.offline.hf_shards import OutTensor, parse_size, plan_files, split_shards
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
 ALL = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
@@ -225,7 +225,7 @@ def test_headers_are_padded_and_aligned():
 # -- the interface, with a source that is not DeepSpeed -------------------------------------------
 
 class DictSource:
-    """A TensorSource over in-memory tensors (what our own checkpoint format will provide)."""
+    """A TensorSource over in-memory tensors: any reader of the interface plugs in."""
 
     def __init__(self, tensors, aliases=None):
         self.data = tensors
@@ -233,7 +233,8 @@ class DictSource:
         self.closed = False
 
     def tensors(self):
-        return [TensorInfo(n, tuple(t.shape), t.dtype, "buffer" if not t.is_floating_point() else "param")
+        return [TensorMeta.single(n, tuple(t.shape), t.dtype,
+                                  "buffer" if not t.is_floating_point() else "param")
                 for n, t in self.data.items()]
 
     def aliases(self):
@@ -241,7 +242,8 @@ class DictSource:
 
     def read(self, requests):
         for r in requests:
-            as_torch_view(r.out).copy_(self.data[r.name].reshape(-1)[r.start:r.start + len(r.out)])
+            t = self.data[r.name]
+            as_torch_view(r.out, as_dtype(t.dtype)).copy_(t.reshape(-1)[r.start:r.start + len(r.out)])
 
     def close(self):
         self.closed = True
@@ -265,7 +267,7 @@ def test_any_source_plugs_in(tmp_path):
     got, aliases = load_output(out)
     assert aliases == {"tied": "big"}
     for name, t in data.items():
-        want = t.to(to_torch(output_dtype(TensorInfo(name, tuple(t.shape), t.dtype), torch.float32)))
+        want = t.to(output_dtype(TensorMeta.single(name, tuple(t.shape), t.dtype), torch.float32).torch)
         assert got[name].dtype == want.dtype and torch.equal(bits(got[name]), bits(want)), name
 
 
@@ -312,7 +314,7 @@ def test_cli_verify_failure_exits_1(tmp_path, capsys, monkeypatch):
 def test_progress_line_ends_with_newline():
     import io
 
-    from offload_engine.cli.consolidate import ProgressLine
+    from offload_engine.cli.progress import ProgressLine
 
     stream = io.StringIO()
     line = ProgressLine(stream)

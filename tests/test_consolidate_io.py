@@ -6,12 +6,11 @@ import os
 import pytest
 import torch
 
-from offload_engine.checkpoint import consolidate as consolidate_mod
-from offload_engine.checkpoint.consolidate import (ReadRequest, consolidate, iter_windows,
-                                                   plan_output, verify_output)
-from offload_engine.checkpoint.deepspeed import DeepSpeedSource
-from offload_engine.checkpoint.dtypes import to_torch
+from offload_engine.formats import ReadRequest
+from offload_engine.formats.deepspeed import DeepSpeedSource
 from offload_engine.io import AsyncFileIO
+from offload_engine.offline import consolidate as consolidate_mod
+from offload_engine.offline.consolidate import consolidate, iter_windows, plan_output, verify_output
 
 from test_consolidate import DictSource, bits, load_output
 from test_deepspeed_reader import Z3, _moment_spans, write_synthetic
@@ -114,8 +113,8 @@ def test_reader_pieces_match_whole_reads(piece):
         cut.reader.max_piece = piece
         cut.reader.trace = []
         for info in whole.tensors():
-            a = torch.empty(info.numel, dtype=to_torch(info.dtype))
-            b = torch.empty(info.numel, dtype=to_torch(info.dtype))
+            a = torch.empty(info.numel, dtype=info.dtype.torch)
+            b = torch.empty(info.numel, dtype=info.dtype.torch)
             whole.read([ReadRequest(info.name, 0, a)])
             cut.read([ReadRequest(info.name, 0, b)])
             assert torch.equal(bits(a), bits(b)), info.name
@@ -133,7 +132,7 @@ def test_one_window_reads_in_parallel_pieces(tmp_path):
         src.reader.max_piece = 256 * 1024
         src.reader.trace = []
         info = src.tensors()[0]
-        out = torch.empty(info.numel, dtype=to_torch(info.dtype))
+        out = torch.empty(info.numel, dtype=info.dtype.torch)
         src.read([ReadRequest(info.name, 0, out)])
         per_file = {}
         for file, _, n in src.reader.trace:

@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 
-from offload_engine.checkpoint.deepspeed import DeepSpeedSource
-from offload_engine.checkpoint.deepspeed.layout import (LayoutError, fragments_layout, split_concat,
+from offload_engine.formats.deepspeed import DeepSpeedSource
+from offload_engine.formats.deepspeed.partitions import (PartitionError, fragments_layout, split_concat,
                                                         zero3_layout, zero12_layout)
-from offload_engine.checkpoint.consolidate import ReadRequest
-from offload_engine.checkpoint.dtypes import as_dtype, to_torch
-from offload_engine.checkpoint.safe_unpickler import (CheckpointFileError, Inert, TensorRef,
+from offload_engine.dtypes import dtype as as_dtype
+from offload_engine.formats import ReadRequest
+from offload_engine.formats.safe_unpickler import (CheckpointFileError, Inert, TensorRef,
                                                       UnsafePickleError, load_pt)
 from offload_engine.cli.main import main
 
@@ -138,7 +138,7 @@ def test_lazy_tensor_spans_hold_the_right_bytes(tmp_path):
         ref = pt.obj[name]
         assert isinstance(ref, TensorRef) and ref.shape == tuple(want.shape) and ref.dtype == as_dtype(want.dtype), name
         offset, nbytes = pt.tensor_span(ref)
-        got = torch.frombuffer(bytearray(raw[offset:offset + nbytes]), dtype=to_torch(ref.dtype)).reshape(ref.shape)
+        got = torch.frombuffer(bytearray(raw[offset:offset + nbytes]), dtype=ref.dtype.torch).reshape(ref.shape)
         assert torch.equal(got, want.detach()), name
     assert pt.obj["tagged"].attrs == {"ds_id": "7_9"}
     assert pt.obj["view"].offset == 10
@@ -162,7 +162,7 @@ def _moment_spans(pt):
 def test_adam_moments_are_never_read(fixture):
     with DeepSpeedSource(os.path.join(FIXTURES, fixture)) as src:
         src.reader.trace = []
-        src.read([ReadRequest(i.name, 0, torch.empty(i.numel, dtype=to_torch(i.dtype))) for i in src.tensors()])
+        src.read([ReadRequest(i.name, 0, torch.empty(i.numel, dtype=i.dtype.torch)) for i in src.tensors()])
         moments = {pt.path: _moment_spans(pt) for pt in src._optims}
         assert moments and all(moments.values())
         for file, offset, nbytes in src.reader.trace:
@@ -176,9 +176,9 @@ def test_adam_moments_are_never_read(fixture):
 def test_ranged_reads_match_whole_reads():
     with DeepSpeedSource(Z3) as src:
         info = next(i for i in src.tensors() if i.name == "emb.weight")
-        whole = torch.empty(info.numel, dtype=to_torch(info.dtype))
+        whole = torch.empty(info.numel, dtype=info.dtype.torch)
         src.read([ReadRequest(info.name, 0, whole)])
-        parts = [torch.empty(n, dtype=to_torch(info.dtype)) for n in (1, 196, 198, 197)]
+        parts = [torch.empty(n, dtype=info.dtype.torch) for n in (1, 196, 198, 197)]
         starts = [0, 1, 197, 395]
         src.read([ReadRequest(info.name, s, p) for s, p in zip(starts, parts)])
         assert torch.equal(torch.cat(parts), whole)
@@ -188,7 +188,7 @@ def test_ranged_reads_match_whole_reads():
 
 def test_split_concat():
     assert split_concat(3, 6, [4, 2, 5]) == [(0, 3, 0, 1), (1, 0, 1, 2), (2, 0, 3, 3)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(PartitionError):
         split_concat(8, 4, [4, 5])
 
 
@@ -205,7 +205,7 @@ def test_zero3_sub_groups_and_offsets():
     layout = zero3_layout([("a", 5), ("b", 4)], [[3, 2], [3, 2]])
     assert [(p.start, p.count, p.src, p.src_offset) for p in layout["a"]] == [(0, 3, (0, 0), 0), (3, 2, (1, 0), 0)]
     assert [(p.start, p.count, p.src, p.src_offset) for p in layout["b"]] == [(0, 2, (0, 1), 0), (2, 2, (1, 1), 0)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(PartitionError):
         zero3_layout([("a", 5), ("b", 4)], [[3, 2], [3, 3]])
 
 
@@ -213,7 +213,7 @@ def test_zero12_parameter_alignment_padding():
     # a (3) + 1 padding, b (4): flat of 8 over 2 ranks
     layout = zero12_layout([[("a", 3), ("b", 4)]], [[4], [4]], [[1, 0]])
     assert [(p.start, p.count, p.src, p.src_offset) for p in layout["b"]] == [(0, 4, (1, 0), 0)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(PartitionError):
         zero12_layout([[("a", 3), ("b", 4)]], [[4], [4]], [[1]])
 
 
@@ -222,7 +222,7 @@ def test_zero12_groups_across_ranks():
     layout = zero12_layout([[("a", 3), ("b", 4)], [("c", 2)]], [[4, 2], [3, 0]])
     assert [(p.start, p.count, p.src, p.src_offset) for p in layout["b"]] == [(0, 1, (0, 0), 3), (1, 3, (1, 0), 0)]
     assert [(p.src, p.count) for p in layout["c"]] == [((0, 1), 2)]
-    with pytest.raises(LayoutError):
+    with pytest.raises(PartitionError):
         zero12_layout([[("a", 3)]], [[4], [4]])  # 8 available, 3 used: beyond the alignment
 
 
@@ -379,7 +379,7 @@ def write_synthetic(root, stage, world_size, params, groups=None, sub_group_nume
 def read_all(src):
     out = {}
     for i in src.tensors():
-        t = torch.empty(i.numel, dtype=to_torch(i.dtype))
+        t = torch.empty(i.numel, dtype=i.dtype.torch)
         src.read([ReadRequest(i.name, 0, t)])
         out[i.name] = t.reshape(i.shape)
     return out

@@ -2,9 +2,12 @@
 
 import os
 
+import pytest
+
 from offload_engine.cli.main import main as cli_main
 
 
+@pytest.mark.multiprocess
 def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli_main(["demo", "--model", "tiny", "--steps", "6", "--world-size", "2"]) == 0

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from offload_engine.checkpoint.consolidate import consolidate
-from offload_engine.checkpoint.deepspeed import DeepSpeedSource
-from offload_engine.checkpoint.inspect import open_source
-from offload_engine.checkpoint.inspect.diff import diff_sources
+from offload_engine.offline.consolidate import consolidate
+from offload_engine.formats.deepspeed import DeepSpeedSource
+from offload_engine.formats import open_source
+from offload_engine.offline.diff import diff_sources
 
 from test_inspect_fixtures import (DS_ALL, FIXTURES, make_checkpoint, make_live_store,
                                    model_tensors, run_cli)
@@ -79,10 +79,10 @@ def ds_as_our_checkpoint(ds_path: str, root, world_size: int) -> None:
         for t in s.tensors():
             states = {}
             for st, meta in t.states.items():
-                v = torch.empty(t.numel, dtype=meta.dtype)
-                s.read(t.name, st, 0, v)
+                v = torch.empty(t.numel, dtype=meta.dtype.torch)
+                s.read_state(t.name, st, 0, v)
                 states[st] = v.reshape(t.shape)
-            tensors[t.name] = {"shape": list(t.shape), "dtype": t.dtype,
+            tensors[t.name] = {"shape": list(t.shape), "dtype": t.dtype.torch,
                                "optimizer": t.optimizer, "states": states}
         for alias, owner in s.aliases().items():  # our format has no ties: a copy
             tensors[alias] = tensors[owner]
@@ -101,7 +101,7 @@ def test_deepspeed_against_ours(fixture, tmp_path, capsys):
     # one changed value is found, and a tolerance wide enough accepts it
     from offload_engine.layout import FlatArray
     from offload_engine.io import AsyncFileIO
-    from offload_engine.checkpoint.checksums import chunk_checksums
+    from offload_engine.layout.checksums import chunk_checksums
     from offload_engine.layout import read_group, write_group_attributes
     gen = os.path.join(tmp_path / "ours", "step-00000002")
     with AsyncFileIO() as io:

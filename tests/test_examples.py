@@ -5,10 +5,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_fsdp2.py")
 
 
+@pytest.mark.multiprocess
 def test_train_fsdp2_under_torchrun_streams_state_and_the_loss_falls(tmp_path):
     store = tmp_path / "state"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

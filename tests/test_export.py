@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from offload_engine.checkpoint.inspect import open_source
-from offload_engine.checkpoint.inspect.export import export_tensor
+from offload_engine.formats import open_source
+from offload_engine.offline.export import export_tensor
 
 from test_inspect_fixtures import FIXTURES, make_checkpoint, make_live_store, run_cli
 
@@ -70,7 +70,7 @@ def test_export_from_deepspeed(tmp_path, capsys, fixture):
     with open_source(path) as s:
         t = s.tensor("l1.weight")
         want = torch.empty(t.numel)
-        s.read("l1.weight", "exp_avg_sq", 0, want)
+        s.read_state("l1.weight", "exp_avg_sq", 0, want)
     out = str(tmp_path / "v.safetensors")
     rc, o, err = run_cli(["export", path, "l1.weight", "--state", "exp_avg_sq", "--out", out], capsys)
     assert rc == 0, err

@@ -12,13 +12,13 @@ import os
 import pytest
 import torch
 
-from offload_engine.checkpoint.consolidate import consolidate
-from offload_engine.checkpoint.deepspeed import DeepSpeedSource
-from offload_engine.checkpoint.deepspeed.scatter_read import ScatterReader
-from offload_engine.checkpoint.inspect import detect, open_source
-from offload_engine.checkpoint.inspect.collect import collect_stats
-from offload_engine.checkpoint.inspect.health import layer_of
-from offload_engine.checkpoint.inspect.stats import StatsTable
+from offload_engine.offline.consolidate import consolidate
+from offload_engine.formats.deepspeed import DeepSpeedSource
+from offload_engine.formats.deepspeed.scatter_read import ScatterReader
+from offload_engine.formats import detect, open_source
+from offload_engine.offline.inspect_stats import collect_stats
+from offload_engine.offline.health import layer_of
+from offload_engine.offline.value_stats import StatsTable
 
 from test_inspect_fixtures import (DS_ALL, FIXTURES, make_checkpoint, make_live_store,
                                    model_tensors, run_cli)
@@ -185,8 +185,8 @@ def test_stats_deepspeed_match_reassembled_tensors(fixture):
         stats, _ = collect_stats(s, keys)
         for t in s.tensors():
             for st in t.states:
-                full = torch.empty(t.numel, dtype=t.states[st].dtype)
-                s.read(t.name, st, 0, full)
+                full = torch.empty(t.numel, dtype=t.states[st].dtype.torch)
+                s.read_state(t.name, st, 0, full)
                 assert_stats(stats[(t.name, st)], full)
     # master weights are exactly what zero_to_fp32 wrote
     from safetensors.torch import load_file
@@ -207,7 +207,7 @@ def test_moments_agree_across_zero_stages():
                 for st in ("exp_avg", "exp_avg_sq"):
                     if st in t.states:
                         out = torch.empty(t.numel)
-                        s.read(t.name, st, 0, out)
+                        s.read_state(t.name, st, 0, out)
                         got.setdefault((t.name, st), []).append(out)
     assert len(got) == 14
     for key, (a, b) in got.items():
@@ -397,7 +397,7 @@ def test_real_checkpoint_from_zero_muon(tmp_path, capsys):
 
 
 def test_layer_norms_for_the_plot():
-    from offload_engine.checkpoint.inspect.plot import layer_norms
+    from offload_engine.offline.plot import layer_norms
     s = lambda sq: {"sumsq": sq}
     stats = {("layers.0.w", "master"): s(9.0), ("layers.0.b", "master"): s(16.0),
              ("layers.1.w", "master"): s(4.0), ("layers.1.w", "exp_avg"): s(1.0),

@@ -18,7 +18,7 @@ import shutil
 
 import torch
 
-from offload_engine.checkpoint.inspect.synthetic import plan_sharded, write_checkpoint
+from synthetic import plan_sharded, write_checkpoint
 from offload_engine.layout.manifest import write_shard_table
 from offload_engine.cli.main import main
 from offload_engine.store import TieredStore

@@ -129,7 +129,8 @@ def run_case(rank, world, mesh, tmp, case):
     with ZeroMuon(module.named_parameters(), store=cfg, master_weights=master) as opt:
         store = opt.store
         # arrays: exactly what ZeroMuon registered
-        assert {n: (a.dtype, a.numel) for n, a in st.arrays.items()} == dict(opt.layout.arrays)
+        assert {n: (a.dtype, a.numel) for n, a in st.arrays.items()} == {
+            n: (a.dtype, a.numel) for n, a in opt.layout.arrays.items()}
         # pinned: the pool is the plan's cpu_budget
         assert store.pool.capacity == round_up(cfg["cpu_budget"]) == doc["per_rank"]["cpu"]["pinned_pool"]
         # the optimizer's own buffers
@@ -162,7 +163,7 @@ def run_case(rank, world, mesh, tmp, case):
                         (step, read, written, io)
             if world > 1:
                 assert s.a2a_bytes_sent == st.a2a_sent and s.a2a_bytes_received == st.a2a_received
-        scratch = sum(t.numel() * t.element_size() for t in opt._scratch.values())
+        scratch = opt.resources.scratch.nbytes
         assert scratch == host["optimizer_scratch"], (scratch, host)
     if home == "nvme":
         # closing flushed every bucket: the files on disk are the plan's
@@ -203,6 +204,7 @@ def test_plan_matches_zero_muon_in_one_process(tmp_path):
     worker(0, 1, None, str(tmp_path))
 
 
+@pytest.mark.multiprocess
 def test_plan_matches_zero_muon_on_two_ranks(tmp_path):
     spawn(2, worker, str(tmp_path))
 

@@ -69,7 +69,7 @@ def a2a_worker(rank, world, mesh, tmp):
         with ZeroMuon(model.named_parameters(), store=cfg) as opt:
             p_muon = sum(i.numel for i in opt.infos if i.kind == "muon")
             n_muon = sum(1 for i in opt.infos if i.kind == "muon")
-            dist_chunks = sum(1 for c in opt.layout.chunks if c.kind == "muon")
+            dist_chunks = sum(1 for c in opt.layout.bundles if c.kind == "muon")
             buffers = None
             for step in range(3):
                 set_grads(model, ref, step, rank, world)
@@ -91,7 +91,7 @@ def a2a_worker(rank, world, mesh, tmp):
                 assert int(ns) == n_muon
                 now = [t.data_ptr() for t in opt.exchange.send + opt.exchange.recv]
                 now += [opt.ns._x.data_ptr(), opt.ns._y.data_ptr()]
-                now += [t.data_ptr() for t in opt._scratch.values()]
+                now += [t.data_ptr() for t in opt.resources.scratch.buffers()]
                 if buffers is not None:
                     assert now == buffers, "a step allocated new send/recv/workspace buffers"
                 buffers = now
@@ -100,6 +100,7 @@ def a2a_worker(rank, world, mesh, tmp):
             assert sums[0] == sums[1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_all_to_all_bytes_and_no_other_collectives(world, tmp_path):
     spawn(world, a2a_worker, str(tmp_path))
@@ -188,5 +189,6 @@ def store_and_accumulation_worker(rank, world, mesh, tmp):
             opt.store.stats(reset=True)
 
 
+@pytest.mark.multiprocess
 def test_store_bytes_and_accumulation_across_ranks(tmp_path):
     spawn(2, store_and_accumulation_worker, str(tmp_path))

@@ -142,6 +142,7 @@ def parity_worker(rank, world, mesh, tmp):
     run_training(rank, world, mesh, tmp)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_bitwise_parity_with_torch_muon_and_adamw(world, tmp_path):
     spawn(world, parity_worker, str(tmp_path))

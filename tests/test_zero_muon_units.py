@@ -11,9 +11,10 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
 from offload_engine.optim import ZeroMuon, default_use_muon
 from offload_engine.optim.adamw_math import adamw_update_
-from offload_engine.optim.muon_math import NewtonSchulz, adjusted_lr, ns_flops
+from offload_engine.optim.muon_math import NewtonSchulz, adjusted_lr
+from offload_engine.optim.owners import ns_flops
 from offload_engine.optim.owners import assign_owners
-from offload_engine.optim.sharding import ParamInfo
+from offload_engine.optim.params import ParamInfo
 from offload_engine.optim.state_layout import build_layout
 from zero_muon_harness import MIXED_SHAPES, make_pair, set_grads
 
@@ -168,7 +169,7 @@ def test_layout_packs_state_without_gaps_and_covers_every_element(mixed):
                            state_dtype_of=lambda i: torch.float32, amsgrad_of=amsgrad_of)
         owner = {name: [None] * numel for name, (_, numel) in lay.arrays.items()}
         users: dict = {}
-        for c in lay.chunks:
+        for c in lay.bundles:
             assert not c.local_numel or len({c.starts[n] % be for n in c.starts}) == 1
             for p in c.params:
                 for n in c.arrays:
@@ -195,7 +196,7 @@ def test_layout_packs_state_without_gaps_and_covers_every_element(mixed):
         uses = lay.uses()
         assert all(uses[k] >= len(u) for k, u in users.items())
         assert sorted(lay.step_order(False)) == sorted(lay.step_order(True)) == sorted(users)
-        kinds = [c.kind for c in lay.chunks]
+        kinds = [c.kind for c in lay.bundles]
         assert set(kinds) == {"muon", "adamw"}
 
 
@@ -249,7 +250,7 @@ def test_llama_state_has_no_bucket_padding(world):
         st = rank_states(model, PlanOptions(world_size=world, gpus_per_node=world,
                                             master_weights=master), kinds=classify(model))[0]
         lay = st.layout
-        logical = sum(c.local_numel * st.arrays[n].itemsize for c in lay.chunks for n in c.arrays)
+        logical = sum(c.local_numel * st.arrays[n].itemsize for c in lay.bundles for n in c.arrays)
         assert lay.state_bytes() == logical + lay.padding_bytes()
         assert lay.padding_bytes() <= len(lay.arrays) * lay.bucket_bytes
         if not master:
@@ -344,8 +345,8 @@ def test_master_weights_equal_an_fp32_run_rounded(tmp_path):
                 assert torch.equal(info.param.detach(), q.detach().bfloat16()), n
 
 
-def test_pipeline_keeps_exchanges_in_flight_while_other_chunks_compute():
-    """Chunk k's all_to_all is outstanding while chunk k+1 is packed, and AdamW chunks run
+def test_pipeline_keeps_exchanges_in_flight_while_other_bundles_compute():
+    """Bundle k's all_to_all is outstanding while bundle k+1 is packed, and AdamW bundles run
     while Muon exchanges are outstanding."""
     shapes = {f"w{i}": (32, 32) for i in range(6)}
     shapes.update({f"b{i}": (300,) for i in range(3)})
@@ -354,20 +355,20 @@ def test_pipeline_keeps_exchanges_in_flight_while_other_chunks_compute():
                                                    "cpu_budget": 64 * 4096}) as opt:
         log = []
         r = opt._runner
-        for stage in ("pack", "orthogonalize", "apply", "adamw_chunk"):
+        for stage in ("pack", "orthogonalize", "apply", "adamw_bundle"):
             real = getattr(r, stage)
 
-            def wrapped(chunk, *a, _real=real, _stage=stage):
-                log.append((_stage, chunk.index))
-                return _real(chunk, *a)
+            def wrapped(bundle, *a, _real=real, _stage=stage):
+                log.append((_stage, bundle.index))
+                return _real(bundle, *a)
             setattr(r, stage, wrapped)
         set_grads(model, ref, 0, 0, 1)
         opt.step()
-        muon = [c.index for c in opt.layout.chunks if c.kind == "muon"]
-        assert len(muon) >= 3 and any(c.kind == "adamw" for c in opt.layout.chunks)
+        muon = [c.index for c in opt.layout.bundles if c.kind == "muon"]
+        assert len(muon) >= 3 and any(c.kind == "adamw" for c in opt.layout.bundles)
         pos = {e: i for i, e in enumerate(log)}
         for k, k1 in zip(muon, muon[1:]):
             assert pos[("pack", k1)] < pos[("orthogonalize", k)] < pos[("apply", k)]
-        adamw_at = [i for i, (s, _) in enumerate(log) if s == "adamw_chunk"]
+        adamw_at = [i for i, (s, _) in enumerate(log) if s == "adamw_bundle"]
         first_pack, last_apply = pos[("pack", muon[0])], pos[("apply", muon[-1])]
         assert any(first_pack < i < last_apply for i in adamw_at)   # AdamW fills exchange time

@@ -6,7 +6,7 @@
    rank in ``rank{r}/zarr.json``; MoE-like: attention and expert matrices on Muon, norms
    and routers on AdamW; arrays declared, chunk files absent: listing must not need them),
    written by the same manifest helpers as ``save_checkpoint`` and ZeroMuon
-   (``checkpoint.inspect.synthetic``). A fresh process opens it and builds the summary and
+   (``tests/synthetic.py``, the test suite's writer). A fresh process opens it and builds the summary and
    the tensor table, as ``offload-engine inspect`` does before printing (imports excluded),
    with the page cache evicted first.
    Reported: seconds, bytes read (``/proc/self/io`` rchar, every read() of the process
@@ -35,6 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+# the test suite's manifest writer (tests/synthetic.py) builds the stores
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 GOALS = {"list_seconds": 2.0, "list_read_bytes": 8e6, "stats_vs_fio": 0.8,
          "stats_peak_rss_bytes": 512e6}
@@ -90,7 +93,7 @@ def moe_tensors(count: int) -> dict:
 
 
 def build_list_store(path: str, tensors: int, world: int) -> dict:
-    from offload_engine.checkpoint.inspect.synthetic import write_sharded
+    from synthetic import write_sharded
     from offload_engine.layout.manifest import shard_table_path
     t0 = time.perf_counter()
     attrs = write_sharded(path, moe_tensors(tensors), world, kind="store", step=1000, data=False)
@@ -104,7 +107,7 @@ def build_stats_store(path: str, state_bytes: int, world: int) -> dict:
     """Muon matrices (momentum) and AdamW matrices (two moments), half the bytes each,
     filled with random fp32 values, 64 MiB chunk files."""
     import torch
-    from offload_engine.checkpoint.inspect.synthetic import write_sharded
+    from synthetic import write_sharded
     from offload_engine.io import AsyncFileIO
     from offload_engine.layout import FlatArray
     f32 = torch.float32
@@ -140,7 +143,7 @@ def build_stats_store(path: str, state_bytes: int, world: int) -> dict:
 # -- children: one fresh process per measurement ------------------------------------------------
 
 def child_list(path: str) -> dict:
-    from offload_engine.checkpoint.inspect.collect import select
+    from offload_engine.offline.select import select
     from offload_engine.cli.inspect import _tensor_rows, open_input, summarise
     from offload_engine.io.page_cache import evict
     evict([path])
@@ -167,7 +170,7 @@ def child_list(path: str) -> dict:
 def child_tables(path: str) -> dict:
     """What --stats, export and diff pay once before reading data: every shard table read,
     parsed and checked against the tensor table."""
-    from offload_engine.checkpoint.inspect import open_source
+    from offload_engine.formats import open_source
     from offload_engine.io.page_cache import evict
     evict([path])
     with open_source(path) as source:
@@ -179,8 +182,8 @@ def child_tables(path: str) -> dict:
 
 
 def child_stats(path: str) -> dict:
-    from offload_engine.checkpoint.inspect import open_source
-    from offload_engine.checkpoint.inspect.collect import collect_stats
+    from offload_engine.formats import open_source
+    from offload_engine.offline.inspect_stats import collect_stats
     from offload_engine.io.page_cache import evict, resident_bytes
     evict([path])
     cached = resident_bytes([path])

@@ -115,17 +115,9 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _kind(array: str) -> str:
-    """Which of the issue's three figures a state array counts toward."""
-    from offload_engine.optim.state_layout import EXP_AVG, MASTER, MOMENTUM
-    name = array.split("/")[-1]
-    if name.startswith(MOMENTUM):
-        return "muon_momentum"
-    if name.startswith(EXP_AVG):
-        return "adam_moments"      # exp_avg, exp_avg_sq (and max_exp_avg_sq)
-    if name == MASTER:
-        return "masters"
-    return name
+def _kind(array: dict) -> str:
+    """Which of the issue's three figures a state array (its JSON entry) counts toward."""
+    return {"MOMENTUM": "muon_momentum", "MASTER": "masters"}.get(array["kind"], "adam_moments")
 
 
 class ArrayBytes:
@@ -204,16 +196,16 @@ def _rank_main(rank, world, a, out_prefix):
               "adam_moments": sum(i.local_numel(rank) for i in infos if i.kind == "adamw"),
               "masters": sum(i.local_numel(rank) for i in infos if i.dtype != torch.float32)
               if master else 0}
-    arrays = {opt_nvme.array_name(n): {"dtype": str(dt).removeprefix("torch."), "numel": k,
-                                       "bytes": k * torch.empty((), dtype=dt).element_size(),
-                                       "padding_bytes": lay.padding.get(n, 0) *
-                                       torch.empty((), dtype=dt).element_size()}
-              for n, (dt, k) in opt_nvme.layout.arrays.items()}
+    arrays = {opt_nvme.array_name(n): {"dtype": a.dtype.name, "numel": a.numel,
+                                       "kind": a.key.kind.name,
+                                       "bytes": a.numel * a.dtype.itemsize,
+                                       "padding_bytes": lay.padding.get(n, 0) * a.dtype.itemsize}
+              for n, a in opt_nvme.layout.arrays.items()}
     result = {"rank": rank, "params": sum(i.numel for i in infos),
               "muon_params": sum(i.numel for i in infos if i.kind == "muon"),
               "local_params": params, "arrays": arrays, "pool_bytes": pool,
               "working_buckets": working_buckets(lay), "kept_tails": len(opt_nvme._pinned),
-              "state_bytes": lay.state_bytes(), "chunks": len(lay.chunks),
+              "state_bytes": lay.state_bytes(), "bundles": len(lay.bundles),
               "shared_buckets": sum(1 for n in lay.uses().values() if n > 1)}
 
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -285,7 +277,7 @@ def summarize(ranks: list[dict], fio_gbps: float) -> dict:
             arrays[name] = {"read": rd, "written": wr}
         kinds = {}
         for name, v in arrays.items():
-            k = kinds.setdefault(_kind(name), {"read": 0, "written": 0, "state_bytes": 0})
+            k = kinds.setdefault(_kind(r["arrays"][name]), {"read": 0, "written": 0, "state_bytes": 0})
             k["read"] += v["read"]
             k["written"] += v["written"]
             k["state_bytes"] += r["arrays"][name]["bytes"]

@@ -1,12 +1,15 @@
-"""checkpoint/: save and load ZeroMuon runs (reshardable, checksummed, atomically committed),
-read DeepSpeed checkpoints, and consolidate either into Hugging Face safetensors.
+"""checkpoint/: save and load ZeroMuon training runs (reshardable, checksummed, atomically
+committed generations).
 
-``save_checkpoint``, ``save_checkpoint_async`` and ``load_checkpoint`` are imported on first use: they pull in
-torch.distributed, which offline tools (inspect, consolidate, plan) never need.
+Reading a generation back goes through the one reader of our format
+(``formats.ours.OursSource``); the offline tools (consolidate, inspect, diff, export) are
+``offline/``. ``save_checkpoint``, ``save_checkpoint_async`` and ``load_checkpoint`` are
+imported on first use: they pull in torch.distributed.
 """
 
-from .checksums import ChecksumError
-from .generations import CheckpointError, resolve
+from ..formats.errors import CheckpointError
+from ..formats.ours.generations import resolve
+from ..layout.checksums import ChecksumError
 
 __all__ = ["CheckpointError", "ChecksumError", "load_checkpoint", "resolve", "save_checkpoint",
            "save_checkpoint_async"]

@@ -14,7 +14,7 @@ Rank 0 waits for every rank's report, writes the tensor table with the merged su
 into the generation's zarr.json, removes the reports and commits (fsync, rename of
 ``<gen>.partial`` to ``<gen>``, ``latest`` last). The other ranks wait for ``<gen>`` to
 appear, or for a failure report. A crash anywhere leaves ``<gen>.partial``: torn, never
-loaded (generations.py).
+loaded (formats/ours/generations.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import time
 from ..layout import create_group
 from ..layout.manifest import rank_group
 from ..layout.metadata import fsync_dir, write_json_atomic
-from .generations import CheckpointError, write_latest
+from ..formats.errors import CheckpointError
+from .generations import write_latest
 
 DONE = ".done.json"
 FAILED = ".failed.json"

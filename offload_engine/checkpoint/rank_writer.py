@@ -28,7 +28,7 @@ from ..io.page_cache import sync_tree
 from ..layout import FlatArray
 from .. import dtypes
 from ..layout.manifest import rank_group
-from .checksums import SequentialChunkCrc, padded_crc32c
+from ..layout.checksums import SequentialChunkCrc, padded_crc32c
 from .staged_writer import StagedWriter, StagingBlocks
 
 

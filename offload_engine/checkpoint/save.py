@@ -18,22 +18,22 @@ table (global shapes, dtypes, optimizer kinds, step, crc32c of every chunk: docs
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from ..layout import create_group
 from .. import dtypes
-from ..layout.manifest import (MANIFEST_VERSION, rank_group, shard_entry, tensor_entry, tensor_rows,
-                               write_shard_table)
+from ..layout import create_group
+from ..layout.generations import PARTIAL, generation_name
+from ..layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, rank_group, shard_entry,
+                               tensor_entry, tensor_rows, write_shard_table)
 from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
                                   state_offsets)
-from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
-from .generations import FORMAT, PARTIAL, generation_name
 from .buffers import snapshot_buffers
+from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
+from .generations import prepare_staging
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
 
@@ -86,7 +86,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     name = generation_name(step)
     final = os.path.join(ckpt_dir, name)
     staging = final + PARTIAL
-    problem = _prepare_staging(ckpt_dir, final, staging, step) if rank == 0 else None
+    problem = prepare_staging(ckpt_dir, final, staging, step) if rank == 0 else None
     if coll:  # every rank learns whether rank 0 could start, instead of waiting in a barrier
         shared = [problem]
         dist.broadcast_object_list(shared, src=0)
@@ -125,20 +125,6 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     pending._run(body)
     pending.stats["call_s"] = time.perf_counter() - t0
     return pending
-
-
-def _prepare_staging(ckpt_dir: str, final: str, staging: str, step: int) -> BaseException | None:
-    """Rank 0: make ``<gen>.partial`` (dropping a torn one); the error, if it cannot."""
-    try:
-        if os.path.exists(final):
-            return FileExistsError(f"{final}: a checkpoint of step {step} is already committed")
-        os.makedirs(ckpt_dir, exist_ok=True)
-        if os.path.exists(staging):
-            shutil.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
-        os.makedirs(staging)
-    except OSError as e:
-        return e
-    return None
 
 
 def _write_rank(pending: PendingCheckpoint, writer: RankWriter, snap, staging: str, rank: int,
@@ -249,7 +235,7 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                if k not in ("params", "param_names") and _jsonable(v)}
               for g in opt.param_groups]
-    return {"format": FORMAT, "format_version": MANIFEST_VERSION, "step": step,
+    return {"format": CHECKPOINT_FORMAT, "format_version": MANIFEST_VERSION, "step": step,
             "world_size": world, "tensors": tensors, "param_groups": groups,
             "buffers_saved": True}
 

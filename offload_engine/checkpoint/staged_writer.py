@@ -15,7 +15,7 @@ import torch
 from ..io import BufferPool, IOFuture
 from ..io.align import ALIGN
 from ..layout import FlatArray
-from .checksums import SequentialChunkCrc
+from ..layout.checksums import SequentialChunkCrc
 
 BLOCK_BYTES = 8 << 20  # bytes per staged write
 BLOCKS = 4             # staging blocks: one filling while the others are written

@@ -1,4 +1,5 @@
-"""``offload-engine consolidate SRC OUT``: a DeepSpeed ZeRO checkpoint to Hugging Face safetensors.
+"""``offload-engine consolidate SRC OUT``: one of our checkpoints or a DeepSpeed ZeRO
+checkpoint (or safetensors) to Hugging Face (sharded) safetensors.
 
 Exit codes: 0 written (and verified with --verify), 1 --verify found a difference, 2 bad
 input (missing/corrupt/unsafe files, wrong rank count, bad option), printed as one line.
@@ -8,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-from offload_engine.checkpoint.consolidate import DTYPES, consolidate, verify_output
-from offload_engine.checkpoint.deepspeed import DeepSpeedSource
-from offload_engine.checkpoint.our_source import CheckpointSource, is_our_checkpoint
-from offload_engine.checkpoint.safetensors_writer import parse_size
+from ..formats import open_source
+from ..offline.consolidate import DTYPES, consolidate, verify_output
+from ..offline.hf_shards import parse_size
+from .progress import ProgressLine
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,45 +49,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-class ProgressLine:
-    """A one-line progress display on a terminal, redrawn at most 5 times a second."""
-
-    def __init__(self, stream=sys.stderr, label: str = "consolidate"):
-        self.stream = stream
-        self.label = label
-        self.t0 = time.monotonic()
-        self.last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self.last < 0.2:
-            return
-        self.last = now
-        pct = 100.0 * done / total if total else 100.0
-        rate = done / max(now - self.t0, 1e-9) / 1e6
-        self.stream.write(f"\r{self.label}: {done / 1e9:.2f}/{total / 1e9:.2f} GB "
-                          f"{pct:5.1f}% {rate:8.1f} MB/s")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
 def run(args: argparse.Namespace) -> int:
     max_shard = parse_size(args.max_shard_size)
     window = parse_size(args.window_size)
     dtype = DTYPES[args.dtype]
-    kind = CheckpointSource if is_our_checkpoint(args.src) else DeepSpeedSource
-    with kind(args.src, tag=args.tag, exclude_frozen=args.exclude_frozen) as source:
+    with open_source(args.src, args.tag) as source:
         progress = ProgressLine() if sys.stderr.isatty() else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
-                             window_bytes=window, progress=progress)
+                             window_bytes=window, exclude_frozen=args.exclude_frozen,
+                             progress=progress)
         shards = sum(f.endswith(".safetensors") for f in result.files)
         print(f"{source.describe()}: wrote {result.tensors} tensors, {result.total_bytes} bytes, "
               f"{shards} shard(s){' + index' if result.index else ''} to {args.out}"
               + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
                  if result.aliases else ""))
         if args.verify:
-            problems = verify_output(source, args.out, dtype=dtype, chunk_bytes=window)
+            problems = verify_output(source, args.out, dtype=dtype, chunk_bytes=window,
+                                     exclude_frozen=args.exclude_frozen)
             if problems:
                 for line in problems:
                     print(f"offload-engine consolidate: verify: {line}", file=sys.stderr)

@@ -11,11 +11,10 @@ import argparse
 import json
 import sys
 
-from offload_engine.checkpoint.inspect import KIND_LABELS
-from offload_engine.checkpoint.inspect.diff import diff_sources
-
-from .consolidate import ProgressLine
+from ..formats import KIND_LABELS
+from ..offline.diff import diff_sources
 from .inspect import _num, _table, open_input
+from .progress import ProgressLine
 
 EXIT_DIFFERENT = 1
 
@@ -39,6 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(repeatable)")
     p.add_argument("--name", action="append", metavar="GLOB",
                    help="only tensors whose name matches (repeatable)")
+    p.add_argument("--metadata-only", action="store_true",
+                   help="compare names, shapes, dtypes and states only; read no values")
     p.add_argument("--ignore-dtype", action="store_true",
                    help="a dtype change alone is not a difference (values are still compared)")
     p.add_argument("--generation-a", "--tag-a", dest="generation_a", metavar="G",
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     with open_input(args.a, args.generation_a) as a, open_input(args.b, args.generation_b) as b:
         progress = ProgressLine(label="diff") if sys.stderr.isatty() else None
         report = diff_sources(a, b, rtol=args.rtol, atol=args.atol, mode=mode, names=args.name,
-                              ignore_dtype=args.ignore_dtype, progress=progress)
+                              ignore_dtype=args.ignore_dtype, progress=progress,
+                              values=not args.metadata_only)
         label_a = f"{KIND_LABELS[a.info.kind]} {a.info.path}"
         label_b = f"{KIND_LABELS[b.info.kind]} {b.info.path}"
     if args.json:

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from offload_engine.checkpoint.inspect.export import export_tensor
-from offload_engine.units import format_bytes
-
+from ..offline.export import export_tensor
+from ..units import format_bytes
 from .inspect import open_input
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float64": torch.float64}
+# the spellings --dtype takes (offload_engine.dtypes knows them all)
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -45,8 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     with open_input(args.path, args.generation) as source:
-        r = export_tensor(source, args.name, args.out, state=args.state,
-                          dtype=DTYPES[args.dtype] if args.dtype else None)
+        r = export_tensor(source, args.name, args.out, state=args.state, dtype=args.dtype)
     print(f"wrote {r['name']} ({r['state']}, shape {r['shape']}, {r['dtype']}) to {r['path']} "
           f"({format_bytes(r['bytes'])})")
     return 0

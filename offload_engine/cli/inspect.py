@@ -14,12 +14,11 @@ import math
 import os
 import sys
 
-from offload_engine.checkpoint.inspect import KIND_LABELS, open_source
-from offload_engine.checkpoint.inspect.collect import collect_stats, select
-from offload_engine.checkpoint.inspect.health import health_summary
-from offload_engine.units import format_bytes, parse_bytes
-
-from .consolidate import ProgressLine
+from ..formats import KIND_LABELS, open_source
+from ..offline.health import health_summary
+from ..offline.select import select
+from ..units import format_bytes, parse_bytes
+from .progress import ProgressLine
 
 EXIT_NONFINITE = 3
 MAX_FILES_SHOWN = 12
@@ -60,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _dtype(d) -> str:
-    return str(d).removeprefix("torch.")
+    return d.name
 
 
 def _num(x) -> str:
@@ -223,16 +222,18 @@ def run(args: argparse.Namespace) -> int:
         result = {"summary": summary, "tensors": rows}
         if want_stats:
             keys = [(t.name, s) for t, states in selected for s in states]
+            from ..offline.inspect_stats import collect_stats  # reduces in torch
+
             progress = ProgressLine(label="inspect") if sys.stderr.isatty() else None
             stats, nbytes = collect_stats(source, keys, progress)
             result["stats"] = [{"name": n, "state": s, **{k: v for k, v in st.items() if k != "sumsq"}}
                                for (n, s), st in stats.items()]
             floating = {(t.name, s) for t, states in selected for s in states
-                        if t.states[s].dtype.is_floating_point}
+                        if t.states[s].dtype.is_float}
             result["health"] = health_summary(stats, top=args.top, floating=floating)
             result["bytes_read"] = nbytes
             if args.plot:
-                from offload_engine.checkpoint.inspect.plot import plot_layer_norms
+                from ..offline.plot import plot_layer_norms
                 plot_layer_norms(stats, [t.name for t, _ in selected], args.plot,
                                  f"{KIND_LABELS[source.info.kind]}: {source.info.path}",
                                  floating=floating)

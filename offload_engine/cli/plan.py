@@ -128,12 +128,13 @@ def _host_memory() -> int:
 
 
 def run(args) -> int:
-    from ..plan.memory import DTYPES, PlanOptions
+    from ..dtypes import dtype
+    from ..plan.memory import PlanOptions
     from ..plan.model_shapes import load_model
     from ..plan.planner import Workload, build_plan
     model = load_model(args.model)
     opts = PlanOptions(world_size=args.world_size, gpus_per_node=args.gpus_per_node,
-                       param_dtype=DTYPES[args.param_dtype], master_weights=args.master_offload,
+                       param_dtype=dtype(args.param_dtype), master_weights=args.master_offload,
                        bucket_bytes=args.bucket_bytes, prefetch_depth=args.prefetch_depth,
                        device="cpu" if args.param_offload or args.device == "cpu" else "cuda",
                        gpu=args.device == "cuda")

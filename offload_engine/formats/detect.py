@@ -1,4 +1,5 @@
-"""What kind of input a path is, from names and metadata only.
+"""What kind of input a path is, from names and metadata only: the one detector every
+command uses (consolidate, inspect, diff, export).
 
 =====================================  ===============================================
 path                                   kind
@@ -19,9 +20,10 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import InspectError
-from .manifest import FORMATS
-from .zarr_source import gc_paused, read_manifest_attrs
+from .errors import FormatError
+from .latest import LATEST, read_latest
+from .ours.reader import gc_paused, read_manifest_attrs
+from .ours.tensor_table import FORMATS
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 
@@ -51,20 +53,8 @@ def _group_format(d: str, seen: dict | None = None) -> str | None:
     return fmt if isinstance(fmt, str) else ""
 
 
-def _read_latest(root: str) -> str:
-    latest = os.path.join(root, "latest")
-    try:
-        with open(latest, encoding="utf-8") as f:
-            name = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InspectError(f"{latest}: unreadable ({e})") from None
-    if not name or "/" in name or name in (".", ".."):
-        raise InspectError(f"{latest}: does not name a generation or tag folder ({name!r})")
-    return name
-
-
 def detect(path: str, generation: str | None = None) -> tuple[str, str, str | None]:
-    """``(kind, path to open, generation or tag)``; InspectError when it is none of them."""
+    """``(kind, path to open, generation or tag)``; FormatError when it is none of them."""
     return detect_with_manifest(path, generation)[:3]
 
 
@@ -79,53 +69,56 @@ def detect_with_manifest(path: str, generation: str | None = None, seen: dict | 
 def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, str | None]:
     path = os.path.abspath(path)
     if not os.path.exists(path):
-        raise InspectError(f"{path}: no such file or directory")
+        raise FormatError(f"{path}: no such file or directory")
     if os.path.isfile(path):
         if path.endswith(".safetensors") or path.endswith(".index.json"):
             return "safetensors", path, None
         if path.endswith(".pt"):
-            raise InspectError(f"{path}: a single .pt file; pass the DeepSpeed checkpoint folder "
+            raise FormatError(f"{path}: a single .pt file; pass the DeepSpeed checkpoint folder "
                                f"(holding 'latest') or its tag folder")
-        raise InspectError(f"{path}: not a safetensors file (*.safetensors) or index "
+        raise FormatError(f"{path}: not a safetensors file (*.safetensors) or index "
                            f"(*.index.json)")
     if generation is not None:
         target = os.path.join(path, generation)
         if not os.path.isdir(target):
-            raise InspectError(f"{target}: generation or tag folder {generation!r} not found")
+            raise FormatError(f"{target}: generation or tag folder {generation!r} not found")
         if _group_format(target, seen) == FORMATS["checkpoint"]:
             return "checkpoint", target, generation
         if _is_ds_tag(target):
             return "deepspeed", path, generation
-        raise InspectError(f"{target}: neither a checkpoint generation nor a DeepSpeed tag folder")
+        raise FormatError(f"{target}: neither a checkpoint generation nor a DeepSpeed tag folder")
     fmt = _group_format(path, seen)
     if fmt == FORMATS["store"]:
         return "store", path, None
     if fmt == FORMATS["checkpoint"]:
         return "checkpoint", path, os.path.basename(path)
     if fmt is not None:
-        raise InspectError(f"{os.path.join(path, 'zarr.json')}: a zarr group whose attributes "
+        raise FormatError(f"{os.path.join(path, 'zarr.json')}: a zarr group whose attributes "
                            f"are not an offload-engine manifest (format {fmt!r})")
-    if os.path.isfile(os.path.join(path, "latest")):
-        name = _read_latest(path)
+    if os.path.isfile(os.path.join(path, LATEST)):
+        name = read_latest(path)
         target = os.path.join(path, name)
         if not os.path.isdir(target):
-            raise InspectError(f"{os.path.join(path, 'latest')} names {name!r}, but {target} "
+            raise FormatError(f"{os.path.join(path, 'latest')} names {name!r}, but {target} "
                                f"does not exist")
         if _group_format(target, seen) == FORMATS["checkpoint"]:
             return "checkpoint", target, name
         if _is_ds_tag(target):
             return "deepspeed", path, name
-        raise InspectError(f"{target} (named by 'latest') is neither a checkpoint generation "
+        raise FormatError(f"{target} (named by 'latest') is neither a checkpoint generation "
                            f"nor a DeepSpeed tag folder")
     if _is_ds_tag(path):
         return "deepspeed", os.path.dirname(path), os.path.basename(path)
+    # generations or tag folders without 'latest': say which, before any safetensors beside
+    # them (DeepSpeed's folder may hold a consolidated copy) is taken for the input
+    tags = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)) and (
+        _is_ds_tag(os.path.join(path, d))
+        or _group_format(os.path.join(path, d)) == FORMATS["checkpoint"]))
+    if tags:
+        raise FormatError(f"{os.path.join(path, 'latest')}: no 'latest' file; pass --tag "
+                          f"(generations or tag folders here: {', '.join(tags)})")
     if any(f.endswith(".safetensors") or f == "model.safetensors.index.json"
            for f in os.listdir(path)):
         return "safetensors", path, None
-    groups = sorted(d for d in os.listdir(path)
-                    if _group_format(os.path.join(path, d)) == FORMATS["checkpoint"])
-    if groups:
-        raise InspectError(f"{path}: no 'latest' file; pass --generation (generations here: "
-                           f"{', '.join(groups)})")
-    raise InspectError(f"{path}: not a store, a checkpoint, a DeepSpeed checkpoint or "
+    raise FormatError(f"{path}: not a store, a checkpoint, a DeepSpeed checkpoint or "
                        f"safetensors (no zarr.json, 'latest', *_optim_states.pt or *.safetensors)")

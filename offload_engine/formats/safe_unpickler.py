@@ -4,7 +4,7 @@ A ``.pt`` file written by ``torch.save`` is an uncompressed zip: ``<prefix>/data
 the pickled object tree, and every tensor storage is a separate record
 ``<prefix>/data/<key>``. This module unpickles ``data.pkl`` with an allow-list and returns
 the tree with every tensor replaced by a ``TensorRef`` (storage key, dtype, offset, shape,
-stride; dtypes are numpy dtypes, see ``dtypes``: torch is never imported). No storage byte
+stride; dtypes are ``offload_engine.dtypes`` entries: neither torch nor ml_dtypes is imported). No storage byte
 is read here: callers ``pread`` exactly the records and ranges they need, at the byte
 offsets ``PtArchive.record_span`` gives. That is how the DeepSpeed
 reader guarantees the Adam moments (``exp_avg``, ``exp_avg_sq``) are never read: their
@@ -28,12 +28,11 @@ import struct
 import zipfile
 from dataclasses import dataclass, field
 
-import numpy as np
+from ..dtypes import BY_NAME, DType
+from .errors import FormatError
 
-from .dtypes import dtype_named
 
-
-class CheckpointFileError(ValueError):
+class CheckpointFileError(FormatError):
     """A file that cannot be read as a checkpoint (missing, truncated, corrupt, unsafe).
 
     The message starts with the file's path and says what is wrong.
@@ -51,7 +50,7 @@ class StorageRef:
     """A tensor storage record of the archive, never loaded: ``key`` names ``data/<key>``."""
 
     key: str
-    dtype: np.dtype
+    dtype: DType
     numel: int  # elements of ``dtype``
 
 
@@ -66,7 +65,7 @@ class TensorRef:
     attrs: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> DType:
         return self.storage.dtype
 
     @property
@@ -155,7 +154,7 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_rest):
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_rest):
     # v3 carries the dtype separately because the storage is untyped bytes
-    if not isinstance(dtype, np.dtype):
+    if not isinstance(dtype, DType):
         raise pickle.UnpicklingError(f"tensor of dtype {dtype!r}, not a dtype")
     if isinstance(storage, StorageRef) and storage.dtype != dtype:
         storage = StorageRef(storage.key, dtype, storage.numel * storage.dtype.itemsize // dtype.itemsize)
@@ -180,7 +179,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 _REBUILD_FUNCS = {_rebuild_tensor, _rebuild_tensor_v3, _rebuild_parameter}
 
 # torch.<X>Storage markers as written by torch.save -> element dtype
-_STORAGE_DTYPES = {marker: dtype_named(name) for marker, name in {
+_STORAGE_DTYPES = {marker: BY_NAME[name] for marker, name in {
     "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
     "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
     "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
@@ -201,7 +200,7 @@ class _TypeMarker:
 class _StorageMarker:
     """What ``torch.FloatStorage`` and friends resolve to: only their dtype matters."""
 
-    def __init__(self, dtype: np.dtype):
+    def __init__(self, dtype: DType):
         self.dtype = dtype
 
 
@@ -248,8 +247,8 @@ class RestrictedUnpickler(pickle.Unpickler):
             return target
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageMarker(_STORAGE_DTYPES[name])
-        if module == "torch" and dtype_named(name) is not None:
-            return dtype_named(name)  # torch.float32 & co. (a dtype torch has and numpy lacks is refused)
+        if module == "torch" and name in BY_NAME:
+            return BY_NAME[name]  # torch.float32 & co. (a dtype outside the table is refused)
         if module.split(".")[0] in _INERT_MODULES:
             return _inert_class(module, name)
         raise UnsafePickleError(

@@ -1,9 +1,15 @@
-"""safetensors files and Hugging Face sharded folders (``model.safetensors.index.json``).
+"""safetensors: the header codec (the one place it is encoded and decoded) and a reader of
+files and Hugging Face sharded folders.
 
-Listing reads each file's header only: 8 bytes of little-endian length N, then N bytes of
-JSON ``{name: {dtype, shape, data_offsets}, "__metadata__": {...}}``. Tied names recorded
-the way ``consolidate`` and ``safetensors.torch.save_model`` record them (``alias: owner``
-in ``__metadata__``, or in the index's ``metadata``) are aliases.
+A file is an 8-byte little-endian header length N, N bytes of JSON
+``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}``
+(offsets relative to the first byte after the header, tensors back to back), then the data.
+We write the JSON compact, UTF-8 (not ASCII-escaped, as the safetensors library writes it),
+padded with spaces to a multiple of 8 bytes so every tensor stays aligned.
+
+The reader lists tensors from headers only; tied names recorded the way ``consolidate``
+and ``safetensors.torch.save_model`` record them (``alias: owner`` in ``__metadata__``, or
+in the index's ``metadata``) are aliases. No torch, no ml_dtypes: bytes are read by range.
 """
 
 from __future__ import annotations
@@ -12,106 +18,160 @@ import json
 import math
 import os
 import struct
+from dataclasses import dataclass
 
-import torch
+from ..dtypes import DType, from_safetensors
+from ..io import AsyncFileIO
+from ..io.align import as_byte_view
+from .errors import FormatError
+from .source import SourceBase, SourceInfo, TensorMeta
 
-from offload_engine.io import AsyncFileIO
-
-from ..dtypes import to_torch
-from ..safetensors_writer import DTYPE_CODES
-from .errors import InspectError
-from .model import SourceInfo, StateMeta, TensorMeta
-from .source import InspectSource, itemsize
-
-MAX_HEADER = 100 * 1000 * 1000  # the safetensors crate's limit
-CODES = {code: to_torch(dtype) for dtype, code in DTYPE_CODES.items()}  # inspection works in torch
+MAX_HEADER = 100 * 1000 * 1000  # bytes: the safetensors crate's limit
+INDEX_FILE = "model.safetensors.index.json"
 
 
-class _Entry:
-    __slots__ = ("file", "offset", "dtype", "shape")
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a header: bytes ``[begin, end)`` of the data region."""
 
-    def __init__(self, file: str, offset: int, dtype: torch.dtype, shape: tuple):
-        self.file, self.offset, self.dtype, self.shape = file, offset, dtype, shape
+    dtype: DType
+    shape: tuple[int, ...]
+    begin: int
+    end: int
 
 
-def read_header(path: str) -> tuple[dict, dict, int]:
-    """(tensors {name: entry}, __metadata__, data start) of one safetensors file."""
+# -- the codec -------------------------------------------------------------------------------------
+def encode_header(entries: dict[str, HeaderEntry], metadata: dict[str, str]) -> bytes:
+    """The header bytes of a file holding ``entries`` (in data order): the 8-byte length,
+    then the JSON padded with spaces to a multiple of 8 bytes."""
+    doc: dict = {"__metadata__": dict(metadata)}
+    for name, e in entries.items():
+        if e.dtype.safetensors is None:
+            raise ValueError(f"{name}: dtype {e.dtype} has no safetensors code")
+        doc[name] = {"dtype": e.dtype.safetensors, "shape": list(e.shape),
+                     "data_offsets": [e.begin, e.end]}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_header(path: str, *, check_data: bool = True
+                ) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
+    """``(entries, __metadata__, data start)`` of the file at ``path``, every entry checked
+    (dtype known, shape and offsets well formed). With ``check_data`` the offsets must
+    also match the shape and fit the file's size; without it only names, dtypes and shapes
+    count, and a file cut off after its header is fine (the planner reads shapes only).
+    FormatError naming the file otherwise."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise InspectError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+                raise FormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise InspectError(f"{path}: header length {n} is impossible for a file of "
-                                   f"{size} bytes (truncated or not safetensors)")
+            if n > MAX_HEADER or (check_data and 8 + n > size):
+                raise FormatError(f"{path}: not a safetensors file, or truncated: header "
+                                  f"length {n} is impossible for a file of {size} bytes")
             raw = f.read(n)
     except FileNotFoundError:
-        raise InspectError(f"{path}: file not found") from None
+        raise FormatError(f"{path}: file not found") from None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) < n:
+        raise FormatError(f"{path}: header cut short ({len(raw)} of {n} bytes; truncated)")
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InspectError(f"{path}: header is not valid JSON ({e})") from None
+        raise FormatError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(doc, dict):
-        raise InspectError(f"{path}: header is not a JSON object")
+        raise FormatError(f"{path}: header is not a JSON object")
     meta = doc.pop("__metadata__", None) or {}
-    data_start, data_size = 8 + n, size - 8 - n
-    out = {}
+    if not isinstance(meta, dict):
+        raise FormatError(f"{path}: __metadata__ is not an object")
+    data_size = size - 8 - n
+    entries = {}
     for name, e in doc.items():
         if not isinstance(e, dict):
-            raise InspectError(f"{path}: entry {name!r} is not an object")
-        dtype = CODES.get(e.get("dtype"))
-        if dtype is None:
-            raise InspectError(f"{path}: tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
+            raise FormatError(f"{path}: entry {name!r} is not an object")
+        try:
+            dt = from_safetensors(e.get("dtype"))
+        except ValueError:
+            raise FormatError(f"{path}: tensor {name!r} has unsupported dtype "
+                              f"{e.get('dtype')!r}") from None
         shape, offs = e.get("shape"), e.get("data_offsets")
-        if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
+        if (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)
                 or not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) for o in offs)):
-            raise InspectError(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
+                or not all(type(o) is int for o in offs)):
+            raise FormatError(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
         begin, end = offs
-        if end - begin != math.prod(shape) * itemsize(dtype) or begin < 0 or end > data_size:
-            raise InspectError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}) do not fit "
-                               f"its shape {shape} x {e['dtype']} in {data_size} data bytes "
-                               f"(truncated file?)")
-        out[name] = _Entry(path, data_start + begin, dtype, tuple(shape))
-    return out, meta, data_start
+        if check_data and (end - begin != math.prod(shape) * dt.itemsize or begin < 0
+                           or end > data_size):
+            raise FormatError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}) do not "
+                              f"fit its shape {shape} x {e['dtype']} in {data_size} data bytes "
+                              f"(truncated file?)")
+        entries[name] = HeaderEntry(dt, tuple(shape), begin, end)
+    return entries, {k: v for k, v in meta.items() if isinstance(v, str)}, 8 + n
 
 
-class SafetensorsSource(InspectSource):
-    """One .safetensors file, a sharded index, or a folder holding either."""
+def read_index(index: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """``(shard files in name order, weight_map, metadata strings)`` of a
+    ``model.safetensors.index.json``; FormatError naming it (or a missing shard)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise FormatError(f"{index}: file not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{index}: not valid JSON ({e})") from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise FormatError(f"{index}: no 'weight_map' {{name: file}}; not a safetensors index")
+    base = os.path.dirname(index)
+    files = []
+    for name in sorted(set(wm.values())):
+        p = os.path.join(base, name)
+        if not os.path.isfile(p):
+            raise FormatError(f"{p}: shard named in {os.path.basename(index)} is missing")
+        files.append(p)
+    meta = doc.get("metadata") or {}
+    return files, wm, {k: v for k, v in meta.items() if isinstance(v, str)}
+
+
+# -- the reader ------------------------------------------------------------------------------------
+class SafetensorsSource(SourceBase):
+    """One .safetensors file, a sharded index, or a folder holding either. Every tensor has
+    one state, ``param``."""
 
     def __init__(self, path: str):
         path = os.path.abspath(path)
         index = None
         if os.path.isdir(path):
-            if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-                index = os.path.join(path, "model.safetensors.index.json")
-                files = None
+            if os.path.isfile(os.path.join(path, INDEX_FILE)):
+                index = os.path.join(path, INDEX_FILE)
             else:
                 files = sorted(os.path.join(path, f) for f in os.listdir(path)
                                if f.endswith(".safetensors"))
                 if not files:
-                    raise InspectError(f"{path}: no .safetensors files here")
+                    raise FormatError(f"{path}: no .safetensors files here")
         elif path.endswith(".json"):
-            index, files = path, None
+            index = path
         else:
             files = [path]
-        meta_aliases: dict = {}
+        index_meta: dict = {}
         if index is not None:
-            files, meta_aliases = self._read_index(index)
-        self._entries: dict[str, _Entry] = {}
+            files, _, index_meta = read_index(index)
+        self._where: dict[str, tuple[str, int, HeaderEntry]] = {}  # name -> (file, start, entry)
         metadata: dict = {}
         for f in files:
-            entries, meta, _ = read_header(f)
-            for name in entries:
-                if name in self._entries:
-                    raise InspectError(f"{f}: tensor {name!r} is also in {self._entries[name].file}")
-            self._entries.update(entries)
-            metadata.update({k: v for k, v in meta.items() if isinstance(v, str)})
-        metadata.update(meta_aliases)
+            entries, meta, start = read_header(f)
+            for name, e in entries.items():
+                if name in self._where:
+                    raise FormatError(f"{f}: tensor {name!r} is also in {self._where[name][0]}")
+                self._where[name] = (f, start, e)
+            metadata.update(meta)
+        metadata.update(index_meta)
         self._aliases = {k: v for k, v in metadata.items()
-                         if v in self._entries and k not in self._entries}
+                         if v in self._where and k not in self._where}
         self._io = AsyncFileIO(threads=4, queue_depth=4, direct=False)
         fmt = (f"sharded: {len(files)} files + index" if index is not None
                else f"{len(files)} file" + ("s" if len(files) > 1 else ""))
@@ -119,33 +179,8 @@ class SafetensorsSource(InspectSource):
                                files=[(f, os.path.getsize(f)) for f in files])
         if index is not None:
             self.info.files.insert(0, (index, os.path.getsize(index)))
-        self._tensors = [TensorMeta(n, e.shape, e.dtype, None,
-                                    {"param": StateMeta(e.dtype, math.prod(e.shape),
-                                                        {None: math.prod(e.shape) * itemsize(e.dtype)})})
-                         for n, e in self._entries.items()]
-
-    @staticmethod
-    def _read_index(index: str) -> tuple[list[str], dict]:
-        try:
-            with open(index, encoding="utf-8") as f:
-                doc = json.load(f)
-        except FileNotFoundError:
-            raise InspectError(f"{index}: file not found") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InspectError(f"{index}: not valid JSON ({e})") from None
-        wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise InspectError(f"{index}: no 'weight_map' {{name: file}}; not a safetensors index")
-        base = os.path.dirname(index)
-        files = []
-        for name in sorted(set(wm.values())):
-            p = os.path.join(base, name)
-            if not os.path.isfile(p):
-                raise InspectError(f"{p}: shard named in {os.path.basename(index)} is missing")
-            files.append(p)
-        meta = doc.get("metadata") or {}
-        aliases = {k: v for k, v in meta.items() if isinstance(v, str)}
-        return files, aliases
+        self._tensors = [TensorMeta.single(n, e.shape, e.dtype)
+                         for n, (_, _, e) in self._where.items()]
 
     def tensors(self) -> list[TensorMeta]:
         return self._tensors
@@ -153,13 +188,21 @@ class SafetensorsSource(InspectSource):
     def aliases(self) -> dict[str, str]:
         return dict(self._aliases)
 
-    def read(self, name: str, state: str, start: int, out: torch.Tensor) -> None:
-        e = self._entries.get(name)
-        if e is None or state != "param":
-            raise InspectError(f"{self.info.path}: no tensor {name!r} with state {state!r}")
-        if start + out.numel() > math.prod(e.shape):
-            raise InspectError(f"{name}: elements past the end of the tensor")
-        self._io.read(e.file, e.offset + start * itemsize(e.dtype), out).result()
+    def read(self, requests) -> None:
+        futures = []
+        for req in requests:
+            where = self._where.get(req.name)
+            if where is None or req.state not in (None, "param"):
+                raise FormatError(f"{self.info.path}: no tensor {req.name!r} with state "
+                                  f"{req.state!r}")
+            file, start, e = where
+            dest = as_byte_view(req.out)
+            size = e.dtype.itemsize
+            if req.start < 0 or req.start * size + len(dest) > e.end - e.begin:
+                raise FormatError(f"{req.name}: elements past the end of the tensor")
+            futures.append(self._io.read(file, start + e.begin + req.start * size, dest))
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         self._io.close()

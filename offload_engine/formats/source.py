@@ -1,37 +1,173 @@
-"""The interface every input kind implements, and the generic streaming scan.
+"""The one interface every checkpoint format is read through: ``TensorSource``.
 
-A source lists its logical tensors from metadata only (``tensors()``), reads any element
-range of a tensor's state, reassembled from its shards (``read``), and streams the states
-asked for through fixed buffers (``scan``). Sources whose data lies in large contiguous
-arrays (stores, checkpoints) override ``scan`` to read in storage order.
+A source lists its *logical tensors* from metadata only (``tensors()``): a parameter, a
+buffer, or a flat array of a store that records no tensors, each with its global shape
+and one or more *states*: ``param`` (the parameter's values), ``master`` (DeepSpeed's fp32
+master copy), ``master_param`` (ZeroMuon's), ``momentum_buffer`` (Muon), ``exp_avg`` /
+``exp_avg_sq`` (Adam), or, for a bare store array, the array's own name. ``read`` fills
+element ranges of a state's flattened elements, reassembled from however the format
+shards them, for any number of requests at once (a batch lets a reader merge neighbouring
+reads). Tied names are ``aliases()`` of the tensor written in their place.
+
+Everyone reads through it: ``checkpoint.load`` (our generations), and the offline tools
+(consolidate, inspect, diff, export). Nothing here imports torch: dtypes are
+``offload_engine.dtypes.DType``; ``read`` fills any writable buffer: a numpy array, a CPU
+torch tensor or a memoryview, of the state's dtype or raw bytes of it.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-from typing import Callable, Sequence
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
-import torch
+from ..dtypes import DType, dtype as as_dtype
+from ..units import MiB
+from .errors import FormatError
 
-from offload_engine.io import BufferPool
+# The state that stands for the tensor's value, in order of preference ("weights": diff and
+# export); ``master_param`` is torch's (and ZeroMuon's) key for the fp32 master copy.
+WEIGHT_STATES = ("master", "master_param", "param")
+# The state consolidate writes: DeepSpeed's fp32 masters, else the parameter.
+VALUE_STATES = ("master", "param")
 
-from .errors import InspectError
-from .model import SourceInfo, TensorMeta
 
-MiB = 1 << 20
+@dataclass
+class StateMeta:
+    """One state of one tensor: stored dtype, elements, and bytes held by each rank.
 
-# visit(data, pieces): ``data`` a 1-D tensor of a state's dtype; ``pieces`` a list of
+    ``bytes_by_rank`` keys are ranks (ints), or None where the input has no ranks
+    (safetensors, an unsharded DeepSpeed buffer).
+    """
+
+    dtype: DType
+    numel: int
+    bytes_by_rank: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.dtype = as_dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_rank.values())
+
+
+@dataclass
+class TensorMeta:
+    """A logical tensor: ``kind`` is "param", "frozen" (a parameter without gradient),
+    "buffer", or "array" (a store array listed without a tensor table; ``home`` is then its
+    tier). ``dtype`` is the tensor's own dtype (its parameter's, or for DeepSpeed its fp32
+    master's); each state has its own."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    optimizer: str | None
+    states: dict[str, StateMeta]
+    kind: str = "param"
+    home: str | None = None
+    extra: dict = field(default_factory=dict)  # what the format records besides (adam_step)
+
+    def __post_init__(self):
+        self.dtype = as_dtype(self.dtype)
+
+    @classmethod
+    def single(cls, name: str, shape, dtype, kind: str = "param", state: str = "param",
+               rank=None) -> "TensorMeta":
+        """A tensor with one state (a safetensors entry, a frozen weight, a buffer)."""
+        dt = as_dtype(dtype)
+        numel = math.prod(shape)
+        return cls(name, tuple(shape), dt, None,
+                   {state: StateMeta(dt, numel, {rank: numel * dt.itemsize})}, kind=kind)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def weight_state(self) -> str | None:
+        """The state holding the tensor's weights: master (``master`` or ``master_param``),
+        else param, else the only state."""
+        for s in WEIGHT_STATES:
+            if s in self.states:
+                return s
+        return next(iter(self.states)) if len(self.states) == 1 else None
+
+    def value_state(self) -> str:
+        """The state ``consolidate`` writes for this tensor: ``master`` where the format
+        keeps one (DeepSpeed), else ``param``, else the only state."""
+        for s in VALUE_STATES:
+            if s in self.states:
+                return s
+        if len(self.states) == 1:
+            return next(iter(self.states))
+        raise FormatError(f"tensor {self.name!r} has no value state (states: "
+                          f"{', '.join(self.states)})")
+
+
+@dataclass
+class SourceInfo:
+    """The summary of an input, from metadata only."""
+
+    kind: str                       # "store", "checkpoint", "deepspeed", "safetensors"
+    path: str
+    format: str                     # e.g. "offload-engine-store", "DeepSpeed ZeRO-3", "safetensors"
+    format_version: object = None
+    step: int | None = None
+    generation: str | None = None   # checkpoint generation or DeepSpeed tag
+    world_size: int | None = None
+    files: list[tuple[str, int | None]] = field(default_factory=list)  # (path, bytes or None)
+    file_count: int | None = None   # when files is abridged (chunk files of a store)
+    notes: list[str] = field(default_factory=list)
+
+
+KIND_LABELS = {
+    "store": "live store",
+    "checkpoint": "offload-engine checkpoint",
+    "deepspeed": "DeepSpeed checkpoint",
+    "safetensors": "safetensors",
+}
+
+
+@dataclass
+class ReadRequest:
+    """Fill ``out`` with elements ``[start, start + n)`` of tensor ``name``'s ``state``
+    (None: its ``value_state()``), ``n`` being what ``out`` holds: a 1-D contiguous numpy
+    array or CPU torch tensor of the state's dtype, or any writable buffer (bytes)."""
+
+    name: str
+    start: int
+    out: object
+    state: str | None = None
+
+
+class TensorSource(Protocol):
+    """What every format reader offers (see the module docstring)."""
+
+    info: SourceInfo
+
+    def tensors(self) -> Sequence[TensorMeta]:
+        """Every tensor, in the format's key order; no aliases."""
+
+    def aliases(self) -> dict[str, str]:
+        """Tied names: ``{alias: owner}``, every owner among ``tensors()``."""
+
+    def read(self, requests: Sequence[ReadRequest]) -> None:
+        """Fill every request; errors name the file and what is wrong."""
+
+    def close(self) -> None:
+        """Release files, threads and buffers."""
+
+
+# visit(data, pieces): ``data`` a 1-D torch tensor of a state's dtype; ``pieces`` a list of
 # (key index, lo, hi): data[lo:hi] are elements of key ``keys[key index]``.
-Visit = Callable[[torch.Tensor, list], None]
+Visit = Callable[[object, list], None]
 Progress = Callable[[int, int], None]
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-class InspectSource:
-    """Base class: subclasses set ``info`` and implement ``tensors``, ``read``, ``close``."""
+class SourceBase:
+    """What every reader shares: look-ups by name, single reads, a generic ``scan``, and
+    the context manager. Subclasses set ``info`` and implement ``tensors``, ``read`` and
+    ``close`` (and ``aliases`` where the format ties names)."""
 
     info: SourceInfo
 
@@ -39,12 +175,9 @@ class InspectSource:
         raise NotImplementedError
 
     def aliases(self) -> dict[str, str]:
-        """Tied names ``{alias: owner}`` (DeepSpeed's shared_params, safetensors metadata)."""
         return {}
 
-    def read(self, name: str, state: str, start: int, out: torch.Tensor) -> None:
-        """Fill ``out`` (1-D, contiguous, the state's dtype) with elements
-        ``[start, start + out.numel())`` of the flattened state."""
+    def read(self, requests: Sequence[ReadRequest]) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -56,41 +189,61 @@ class InspectSource:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- helpers ---------------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line naming the input, for messages."""
+        what = KIND_LABELS.get(self.info.kind, self.info.kind)
+        return f"{what} {self.info.path} ({self.info.format})"
+
     def tensor(self, name: str) -> TensorMeta:
-        for t in self.tensors():
-            if t.name == name:
-                return t
+        """The tensor called ``name`` (an alias gives its owner); FormatError if none."""
+        index = getattr(self, "_by_name", None)
+        if index is None:
+            index = self._by_name = {t.name: t for t in self.tensors()}
+        t = index.get(name)
+        if t is not None:
+            return t
         owner = self.aliases().get(name)
-        if owner is not None:
-            return self.tensor(owner)
-        raise InspectError(f"{self.info.path}: no tensor named {name!r}")
+        if owner is not None and owner in index:
+            return index[owner]
+        raise FormatError(f"{self.info.path}: no tensor named {name!r}")
+
+    def read_state(self, name: str, state: str, start: int, out) -> None:
+        """One read: elements ``[start, start + len(out))`` of ``name``'s ``state``."""
+        self.read([ReadRequest(name, start, out, state)])
 
     def scan(self, keys: Sequence[tuple[str, str]], visit: Visit, progress: Progress | None = None,
              window_bytes: int = 16 * MiB, workers: int = 1) -> int:
-        """Stream every element of each ``(tensor, state)`` in ``keys`` to ``visit``; returns
-        the bytes read. Generic version: tensor by tensor, the next window read on a
-        helper thread while ``visit`` works on the current one (``workers`` is ignored:
-        ``visit`` runs on the calling thread)."""
+        """Stream every element of each ``(tensor, state)`` in ``keys`` to ``visit`` (as 1-D
+        torch tensors: the statistics are computed in torch, imported here); returns the
+        bytes read. Generic version: tensor by tensor, the next window read on a helper
+        thread while ``visit`` works on the current one (``workers`` is ignored: ``visit``
+        runs on the calling thread). Readers of large contiguous arrays override it to read
+        in storage order."""
+        import concurrent.futures
+
+        import torch
+
+        from ..io import BufferPool
+
         metas = {t.name: t for t in self.tensors()}
         jobs = []
         for k, (name, state) in enumerate(keys):
             sm = metas[name].states[state]
-            per = max(1, window_bytes // itemsize(sm.dtype))
+            per = max(1, window_bytes // sm.dtype.itemsize)
             jobs += [(k, name, state, sm.dtype, lo, min(sm.numel, lo + per))
                      for lo in range(0, sm.numel, per)]
-        total = sum((hi - lo) * itemsize(dt) for _, _, _, dt, lo, hi in jobs)
+        total = sum((hi - lo) * dt.itemsize for _, _, _, dt, lo, hi in jobs)
         done = 0
         pool = BufferPool(2 * window_bytes + 8192)
-        ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oe-inspect-read")
+        ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oe-scan-read")
+        nxt = None
         try:
             def fetch(job):
-                k, name, state, dtype, lo, hi = job
-                nbytes = (hi - lo) * itemsize(dtype)
-                buf = pool.acquire(nbytes)
+                k, name, state, dt, lo, hi = job
+                buf = pool.acquire((hi - lo) * dt.itemsize)
                 try:
-                    data = buf.view(dtype, hi - lo)
-                    self.read(name, state, lo, data)
+                    data = buf.view(dt.torch, hi - lo)
+                    self.read_state(name, state, lo, data)
                 except BaseException:
                     buf.release()
                     raise

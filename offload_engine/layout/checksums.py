@@ -1,5 +1,5 @@
-"""CRC-32C of chunk files: recorded at save, verified by every reader (load, consolidate,
-inspect, diff, export), in bounded memory.
+"""CRC-32C of chunk files: recorded at save (checkpoint/), verified by every reader
+(formats/ours: load, consolidate, inspect, diff, export), in bounded memory.
 
 A checkpoint records, for every array, one entry per chunk in chunk order: the chunk
 file's crc32c (unsigned 32-bit), or ``None`` (JSON ``null``) where the chunk file does not
@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 
 import google_crc32c
+import numpy as np
 
-from ..io import TruncatedFileError
+from ..io.align import as_byte_view
 
 PIECE = 8 << 20  # bytes read at a time
 
@@ -39,17 +40,21 @@ def file_crc32c(path: str) -> int:
 
 
 def crc32c_extend(crc: int, data) -> int:
-    """``crc`` extended by the bytes of ``data`` (a contiguous CPU uint8 tensor; no copy)."""
-    if not data.numel():
+    """``crc`` extended by the bytes of ``data`` (a contiguous CPU tensor, numpy array or
+    buffer; no copy)."""
+    view = as_byte_view(data)
+    if not len(view):
         return crc
-    return google_crc32c.extend(crc, data.numpy())
+    # the C extension takes a numpy array over the bytes (not a writable memoryview)
+    return google_crc32c.extend(crc, np.frombuffer(view, dtype=np.uint8))
 
 
 def padded_crc32c(data, chunk_bytes: int) -> int:
-    """CRC-32C of a chunk file that holds the bytes of ``data`` (a contiguous CPU uint8
-    tensor) followed by zeros up to ``chunk_bytes`` (an edge chunk's padding): what a
-    writer records from memory instead of reading its chunk back."""
-    return crc32c_extend_zeros(crc32c_extend(0, data), chunk_bytes - data.numel())
+    """CRC-32C of a chunk file that holds the bytes of ``data`` (a contiguous CPU tensor,
+    array or buffer) followed by zeros up to ``chunk_bytes`` (an edge chunk's padding): what
+    a writer records from memory instead of reading its chunk back."""
+    view = as_byte_view(data)
+    return crc32c_extend_zeros(crc32c_extend(0, view), chunk_bytes - len(view))
 
 
 _zero_piece = None  # a numpy array of PIECE zero bytes, made on first use (readers never need it)
@@ -59,7 +64,6 @@ def crc32c_extend_zeros(crc: int, n: int) -> int:
     """``crc`` extended by ``n`` zero bytes (a chunk file's padding)."""
     global _zero_piece
     if _zero_piece is None:
-        import numpy as np
         _zero_piece = np.zeros(PIECE, dtype=np.uint8)
     while n > 0:
         piece = min(n, PIECE)
@@ -81,14 +85,16 @@ class SequentialChunkCrc:
         self.done: list[int] = []
 
     def add(self, data) -> None:
-        """Extend by ``data`` (a contiguous CPU uint8 tensor), the next bytes of the array."""
+        """Extend by ``data`` (a contiguous CPU tensor, array or buffer), the next bytes of
+        the array."""
+        view = as_byte_view(data)
         taken = 0
-        while taken < data.numel():
+        while taken < len(view):
             room = self.chunk_bytes - self.pos % self.chunk_bytes
-            piece = data[taken:taken + room]
+            piece = view[taken:taken + room]
             self.crc = crc32c_extend(self.crc, piece)
-            self.pos += piece.numel()
-            taken += piece.numel()
+            self.pos += len(piece)
+            taken += len(piece)
             if self.pos % self.chunk_bytes == 0:
                 self.done.append(self.crc)
                 self.crc = 0
@@ -132,41 +138,3 @@ def unexpected(path: str) -> ChecksumError:
     """The error for a chunk file that exists although none existed at save time."""
     return ChecksumError(f"{path}: chunk file present, but the checkpoint manifest records "
                          f"it as absent (written after the save?)")
-
-
-class ChunkVerifier:
-    """Verifies each chunk file once, on first use, against ``checksums[array][i]``."""
-
-    def __init__(self, gen: str, checksums: dict):
-        self.gen = gen
-        self.checksums = checksums
-        self._done: set[tuple[str, int]] = set()
-
-    def verify(self, array: str, flat, start: int, stop: int) -> None:
-        """Check every chunk of ``flat`` (array ``array``) holding elements [start, stop)."""
-        if stop <= start:
-            return
-        for i in range(start // flat.chunk_elems, (stop - 1) // flat.chunk_elems + 1):
-            if (array, i) in self._done:
-                continue
-            path = flat.chunk_path(i)
-            recorded = self.checksums.get(array)
-            if recorded is None or i >= len(recorded):
-                raise ChecksumError(f"{path}: the manifest records no checksum for this chunk")
-            expected = recorded[i]
-            try:
-                size = os.path.getsize(path)
-            except FileNotFoundError:
-                if expected is None:  # absent at save time too: reads as the fill value
-                    self._done.add((array, i))
-                    continue
-                raise missing(path) from None
-            if expected is None:
-                raise unexpected(path)
-            if size != flat.chunk_bytes:
-                raise TruncatedFileError(0, "verify", path, 0, flat.chunk_bytes,
-                                         detail=f"chunk file has {size} bytes, expected {flat.chunk_bytes}")
-            actual = file_crc32c(path)
-            if actual != expected:
-                raise mismatch(path, actual, expected)
-            self._done.add((array, i))

@@ -68,3 +68,16 @@ def bytes_to_scalar(t: DType, raw: bytes):
     import numpy as np
 
     return float(np.frombuffer(raw, dtype=t.numpy, count=1)[0])
+
+
+def fill_pattern(view: memoryview, element_bytes: bytes) -> None:
+    """Fill the bytes ``view`` with repeats of one element's bytes (numpy, no Python loop)."""
+    import numpy as np
+
+    if not len(view):
+        return
+    target = np.frombuffer(view, dtype=np.uint8)
+    if not any(element_bytes):
+        target[:] = 0
+        return
+    target.reshape(-1, len(element_bytes))[:] = np.frombuffer(element_bytes, dtype=np.uint8)

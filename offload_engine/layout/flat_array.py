@@ -31,7 +31,7 @@ from ..dtypes import DType
 from ..io import AsyncFileIO, FileIOError, IOFuture, PooledBuffer, TruncatedFileError
 from ..io.align import as_byte_view
 from ..units import PAGE, MiB
-from .fill_values import bytes_to_scalar
+from .fill_values import bytes_to_scalar, fill_pattern
 from .metadata import (ArrayMetadata, ForeignArrayError, MetadataError, NodeNotFoundError,
                        fsync_dir, metadata_path, new_array_doc, parse_array, json_attributes,
                        read_node, write_json_atomic)
@@ -178,6 +178,11 @@ class FlatArray:
         return -(-self.numel // self.chunk_elems)
 
     @property
+    def fill_bytes(self) -> bytes:
+        """One element equal to the fill value, as its little-endian bytes."""
+        return self._meta.fill_bytes
+
+    @property
     def fill_value(self):
         """The value of never-written elements, as a Python bool, int or float."""
         return bytes_to_scalar(self._meta.element, self._meta.fill_bytes)
@@ -239,7 +244,7 @@ class FlatArray:
             if present:
                 futures.append(self._io.read(self.chunk_path(chunk), chunk_off, piece))
             else:
-                _fill(piece, self._meta.fill_bytes)
+                fill_pattern(piece, self._meta.fill_bytes)
                 futures.append(IOFuture.completed(length))
         return IOFuture.gather(futures)
 
@@ -427,7 +432,7 @@ class FlatArray:
                 # Only foreign arrays have a non-zero fill; the untouched rest of the chunk
                 # must read as that fill, not as preallocated zeros.
                 pattern = bytearray(self.chunk_bytes)
-                _fill(memoryview(pattern), self._meta.fill_bytes)
+                fill_pattern(memoryview(pattern), self._meta.fill_bytes)
                 self._io.write(path, 0, pattern).result()
             return True
 
@@ -463,17 +468,6 @@ def _count(value, name: str, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"array {path}: {name} must be a non-negative integer, got {value!r}")
     return int(value)
-
-
-def _fill(view: memoryview, element_bytes: bytes) -> None:
-    """Fill ``view`` with repeats of one element's bytes (numpy, no Python loop)."""
-    if not len(view):
-        return
-    target = np.frombuffer(view, dtype=np.uint8)
-    if not any(element_bytes):
-        target[:] = 0
-        return
-    target.reshape(-1, len(element_bytes))[:] = np.frombuffer(element_bytes, dtype=np.uint8)
 
 
 def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> None:

@@ -107,3 +107,9 @@ def read_shard_table(group: str, rank: int) -> dict:
         raise MetadataError(f"{shard_table_path(group, rank)}: no shard table (a 'shards' "
                             f"object in the attributes of rank {rank}'s group)")
     return table
+
+
+# -- what a group is -------------------------------------------------------------------------------
+# the ``format`` attribute of the two kinds of group our manifests describe
+STORE_FORMAT = "offload-engine-store"            # a live TieredStore directory
+CHECKPOINT_FORMAT = "offload-engine-checkpoint"  # one checkpoint generation

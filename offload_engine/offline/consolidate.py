@@ -1,8 +1,9 @@
 """Stream a checkpoint's tensors into Hugging Face sharded safetensors with bounded memory.
 
-The consolidator only knows the ``TensorSource`` interface: names, shapes, dtypes, tied
-aliases, and ranged reads of a tensor's elements. DeepSpeed ZeRO checkpoints are one
-source (``checkpoint.deepspeed``); our own checkpoint format plugs in the same way.
+The consolidator only knows the ``formats.TensorSource`` interface: names, shapes, dtypes,
+tied aliases, and ranged reads of a tensor's elements. Every format reader is one (our
+checkpoints, DeepSpeed ZeRO-1/2/3, safetensors); each tensor's ``value_state()`` is written
+(DeepSpeed's fp32 masters, else the parameter).
 
 Data flow: the whole output (headers, offsets, file sizes) is planned from metadata first
 (``safetensors_writer``). Each file is then cut into windows of ``window_bytes``, starting
@@ -18,10 +19,10 @@ size and of the tensor sizes. Files are written into a
 temporary folder inside the output folder and renamed into place when all are complete
 and synced, so a failed run never leaves a half-written model behind.
 
-No torch: windows are numpy views of the pool's memory and dtypes are numpy dtypes
-(``dtypes``). Torch is imported only for a cast numpy cannot do bit for bit as torch does
-(``--dtype bf16`` from fp32 masters rounds) and by ``verify_output``: its start-up (1.3 s
-measured) would take longer than consolidating a 267M-parameter checkpoint.
+No torch and no ml_dtypes: windows are raw numpy views of the pool's memory and dtypes are
+``offload_engine.dtypes`` entries. Torch is imported only for a cast numpy cannot do bit for
+bit as torch does (``--dtype bf16`` from fp32 masters rounds; ``casts``) and by
+``verify_output``: its start-up takes longer than consolidating a 267M-parameter checkpoint.
 """
 
 from __future__ import annotations
@@ -33,92 +34,70 @@ import queue
 import shutil
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from offload_engine.io import (ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, probe_direct,
-                               round_up)
+from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, DType, dtype as as_dtype
+from ..formats.safetensors import INDEX_FILE
+from ..formats.source import ReadRequest, TensorMeta, TensorSource
+from ..io import ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, probe_direct, round_up
+from ..units import MiB
+from .casts import as_torch_view, cast_into
+from .hf_shards import OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor, ShardPlan, index_text, plan_files
 
-from .dtypes import BFLOAT16, FLOAT16, FLOAT32, as_dtype, as_torch_view, cast_into, is_float, to_torch
-from .safetensors_writer import (DTYPE_CODES, INDEX_FILE, OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor,
-                                 ShardPlan, index_text, plan_files)
+DTYPES = {"fp32": FLOAT32, "bf16": BFLOAT16, "fp16": FLOAT16}
 
-MiB = 1 << 20
-
-
-# -- the source interface -----------------------------------------------------------------
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """A tensor a source can deliver.
-
-    ``dtype`` is the numpy dtype of the stored elements ``read`` yields (a torch dtype
-    given here is converted); ``kind`` is "param", "frozen" (a parameter without gradient)
-    or "buffer".
-    """
+class Written:
+    """A tensor as consolidate reads it: the state it writes and that state's dtype."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: np.dtype
-    kind: str = "param"
-
-    def __post_init__(self):
-        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+    state: str
+    dtype: DType          # of the stored elements of ``state``
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-@dataclass
-class ReadRequest:
-    """Fill ``out`` with the flattened tensor's elements ``[start, start + len(out))``.
-
-    ``out`` is 1-D, contiguous and of the tensor's dtype: a numpy array (what ``consolidate``
-    passes: a view of its window) or a CPU torch tensor (what callers holding one pass). A
-    source that works in torch gets a tensor over either from ``dtypes.as_torch_view``."""
-
-    name: str
-    start: int
-    out: object
-
-
-class TensorSource(Protocol):
-    """What the consolidator reads from."""
-
-    def tensors(self) -> Sequence[TensorInfo]:
-        """Every tensor to write, in key order (the order shards are filled); no aliases."""
-
-    def aliases(self) -> Mapping[str, str]:
-        """Tied names: ``{alias: owner}``, every owner among ``tensors()``."""
-
-    def read(self, requests: Sequence[ReadRequest]) -> None:
-        """Fill every request; a batch lets the source merge neighbouring reads."""
-
-    def close(self) -> None:
-        """Release files and threads."""
+def written_tensors(source: TensorSource, exclude_frozen: bool = False) -> list[Written]:
+    """What consolidate writes of ``source``, in its key order: each tensor's value state
+    (``TensorMeta.value_state``), frozen parameters left out with ``exclude_frozen``."""
+    out = []
+    for t in source.tensors():
+        if exclude_frozen and t.kind == "frozen":
+            continue
+        state = t.value_state()
+        out.append(Written(t.name, tuple(t.shape), state, t.states[state].dtype))
+    return out
 
 
-DTYPES = {"fp32": FLOAT32, "bf16": BFLOAT16, "fp16": FLOAT16}
+def written_aliases(source: TensorSource, exclude_frozen: bool = False) -> dict[str, str]:
+    """The tied names consolidate records: the source's, but for those whose owner is a
+    frozen parameter left out with ``exclude_frozen``."""
+    dropped = {t.name for t in source.tensors() if exclude_frozen and t.kind == "frozen"}
+    return {a: o for a, o in source.aliases().items() if o not in dropped}
 
 
-def output_dtype(info: TensorInfo, requested) -> np.dtype:
+def output_dtype(info, requested) -> DType:
     """The dtype a tensor is written in: float tensors are cast to ``requested`` (round to
     nearest even when narrowing), everything else keeps its dtype, bit for bit (an int64
     buffer of 16777217 never passes through float32). With fp32, the default, this is
-    what DeepSpeed 0.19.8's zero_to_fp32 writes."""
-    return as_dtype(requested) if is_float(info.dtype) else info.dtype
+    what DeepSpeed 0.19.8's zero_to_fp32 writes. ``info`` has a ``dtype``."""
+    return as_dtype(requested) if info.dtype.is_float else info.dtype
 
 
 # -- windows ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Chunk:
+class WindowPiece:
     """Elements ``[start, start + count)`` of tensor ``info``, at byte ``out_offset`` of a window."""
 
-    info: TensorInfo
-    out_dtype: np.dtype
+    info: Written
+    out_dtype: DType
     start: int
     count: int
     out_offset: int
@@ -133,7 +112,7 @@ class Window:
     file_offset: int
     nbytes: int = 0
     stage_bytes: int = 0
-    chunks: list[Chunk] = field(default_factory=list)
+    pieces: list[WindowPiece] = field(default_factory=list)
     header: bytes = b""  # bytes of the file's header at the start of the window
 
 
@@ -141,7 +120,7 @@ def _stage_size(chunk_bytes: int) -> int:
     return -(-chunk_bytes // 8) * 8  # each staged chunk starts 8-byte aligned
 
 
-def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mapping[str, TensorInfo],
+def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mapping[str, Written],
                  window_bytes: int) -> Iterator[Window]:
     """Cut every file into windows of at most ``window_bytes`` output bytes and at most
     ``window_bytes`` staging bytes (source dtype, for chunks that are cast). The first
@@ -178,7 +157,7 @@ def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mappin
                     aligned = (end // 4096 * 4096 - win.file_offset - win.nbytes) // out_size
                     take = aligned if aligned > 0 else take
                     full = True
-                win.chunks.append(Chunk(info, out_dtype, done, take, win.nbytes))
+                win.pieces.append(WindowPiece(info, out_dtype, done, take, win.nbytes))
                 win.nbytes += take * out_size
                 if cast:
                     win.stage_bytes += _stage_size(take * src_size)
@@ -188,27 +167,27 @@ def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mappin
 
 
 def fill_window(source: TensorSource, win: Window, out: PooledBuffer, stage: PooledBuffer | None) -> None:
-    """Read a window's chunks into ``out``: straight into place where no cast is needed,
-    else through ``stage`` and one ``cast_into`` per chunk."""
+    """Read a window's pieces into ``out``: straight into place where no cast is needed,
+    else through ``stage`` and one ``cast_into`` per piece."""
     requests, casts = [], []
     stage_off = 0
     raw = np.frombuffer(out.memoryview(win.nbytes), dtype=np.uint8)
     staging = np.frombuffer(stage.memoryview(win.stage_bytes), dtype=np.uint8) if stage is not None else None
     raw[:len(win.header)] = np.frombuffer(win.header, dtype=np.uint8)
-    for c in win.chunks:
+    for c in win.pieces:
         nbytes = c.count * c.out_dtype.itemsize
-        dest = raw[c.out_offset:c.out_offset + nbytes].view(c.out_dtype)
+        dest = raw[c.out_offset:c.out_offset + nbytes].view(c.out_dtype.raw_numpy)
         if c.out_dtype == c.info.dtype:
-            requests.append(ReadRequest(c.info.name, c.start, dest))
+            requests.append(ReadRequest(c.info.name, c.start, dest, c.info.state))
             continue
         src_bytes = c.count * c.info.dtype.itemsize
-        staged = staging[stage_off:stage_off + src_bytes].view(c.info.dtype)
+        staged = staging[stage_off:stage_off + src_bytes].view(c.info.dtype.raw_numpy)
         stage_off += _stage_size(src_bytes)
-        requests.append(ReadRequest(c.info.name, c.start, staged))
-        casts.append((dest, staged))
+        requests.append(ReadRequest(c.info.name, c.start, staged, c.info.state))
+        casts.append((dest, c.out_dtype, staged, c.info.dtype))
     source.read(requests)
-    for dest, staged in casts:
-        cast_into(dest, staged)
+    for dest, out_dtype, staged, src_dtype in casts:
+        cast_into(dest, out_dtype, staged, src_dtype)
 
 
 # -- the pipeline ---------------------------------------------------------------------------
@@ -226,18 +205,19 @@ class ConsolidateResult:
     peak_buffer_bytes: int = 0  # most bytes of I/O buffers in use at once
 
 
-def plan_output(source: TensorSource, max_shard_bytes: int,
-                dtype=FLOAT32) -> tuple[list[ShardPlan], dict | None, dict[str, TensorInfo]]:
-    """Shard plans, index and the source tensors by name, from metadata only."""
+def plan_output(source: TensorSource, max_shard_bytes: int, dtype=FLOAT32,
+                exclude_frozen: bool = False
+                ) -> tuple[list[ShardPlan], dict | None, dict[str, Written]]:
+    """Shard plans, index and the tensors written by name, from metadata only."""
     dtype = as_dtype(dtype)
     infos = {}
     out = []
-    for info in source.tensors():
+    for info in written_tensors(source, exclude_frozen):
         if info.name in infos:
             raise ValueError(f"tensor {info.name!r} appears twice in the source")
         infos[info.name] = info
         out.append(OutTensor(info.name, tuple(info.shape), output_dtype(info, dtype)))
-    aliases = dict(source.aliases())
+    aliases = written_aliases(source, exclude_frozen)
     for alias, owner in aliases.items():
         if owner not in infos:
             raise ValueError(f"tied weight {alias!r} points at {owner!r}, which is not written")
@@ -253,19 +233,21 @@ class _Stop(Exception):
 
 def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 * 10**9,
                 dtype=FLOAT32, window_bytes: int = 64 * MiB, depth: int = 1,
+                exclude_frozen: bool = False,
                 progress: Callable[[int, int], None] | None = None) -> ConsolidateResult:
     """Write ``source`` to ``out_dir`` as (sharded) safetensors; see the module docstring.
 
     Args:
         max_shard_bytes: shard limit in bytes (Hugging Face's greedy rule).
-        dtype: the dtype of every float tensor written (``output_dtype``): a numpy dtype
-            (``DTYPES``), or a torch dtype.
+        dtype: the dtype of every float tensor written (``output_dtype``): a DType
+            (``DTYPES``), a name, or a torch or numpy dtype.
+        exclude_frozen: leave out parameters without gradient (``kind == "frozen"``).
         window_bytes: bytes per I/O window (one reusable buffer).
         depth: windows filled ahead of the one being written.
         progress: called as ``progress(bytes_written, bytes_to_write)``, counting every
             byte of the files (headers included).
     """
-    plans, index, infos = plan_output(source, max_shard_bytes, dtype)
+    plans, index, infos = plan_output(source, max_shard_bytes, dtype, exclude_frozen)
     total = sum(p.data_bytes for p in plans)
     file_bytes = sum(p.file_size for p in plans)
     os.makedirs(out_dir, exist_ok=True)
@@ -284,7 +266,8 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
         _publish(tmp, out_dir, names)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ConsolidateResult(out_dir, names, len(infos), total, dict(source.aliases()), index, peak)
+    return ConsolidateResult(out_dir, names, len(infos), total,
+                             written_aliases(source, exclude_frozen), index, peak)
 
 
 def _write_files(source, plans, paths, infos, total, window_bytes, depth, progress) -> int:
@@ -455,7 +438,8 @@ def _publish(tmp: str, out_dir: str, names: list[str]) -> None:
 # -- verification ---------------------------------------------------------------------------
 
 def verify_output(source: TensorSource, out_dir: str, dtype=FLOAT32,
-                  chunk_bytes: int = 64 * MiB, limit: int = 20) -> list[str]:
+                  chunk_bytes: int = 64 * MiB, limit: int = 20,
+                  exclude_frozen: bool = False) -> list[str]:
     """Re-read ``out_dir`` with the ``safetensors`` library and compare it with ``source``.
 
     Checks the file set and index (weight_map, total_size, alias metadata), every tensor's
@@ -474,8 +458,8 @@ def verify_output(source: TensorSource, out_dir: str, dtype=FLOAT32,
         problems.append(text)
         return len(problems) >= limit
 
-    expected = {i.name: i for i in source.tensors()}
-    aliases = dict(source.aliases())
+    expected = {i.name: i for i in written_tensors(source, exclude_frozen)}
+    aliases = written_aliases(source, exclude_frozen)
     index_path = os.path.join(out_dir, INDEX_FILE)
     weight_map = None
     if os.path.exists(index_path):
@@ -525,16 +509,16 @@ def verify_output(source: TensorSource, out_dir: str, dtype=FLOAT32,
     return problems
 
 
-def _verify_tensor(source, f, info: TensorInfo, out_dtype: np.dtype, chunk_bytes: int,
+def _verify_tensor(source, f, info: Written, out_dtype: DType, chunk_bytes: int,
                    fname: str, problem) -> bool:
     """Compare one tensor; True when the problem limit is reached."""
     import torch
 
     sl = f.get_slice(info.name)
     shape = tuple(sl.get_shape())
-    if sl.get_dtype() != DTYPE_CODES[out_dtype] or shape != tuple(info.shape):
+    if sl.get_dtype() != out_dtype.safetensors or shape != tuple(info.shape):
         return problem(f"{fname}: {info.name} is {sl.get_dtype()} {list(shape)}, expected "
-                       f"{DTYPE_CODES[out_dtype]} {list(info.shape)}")
+                       f"{out_dtype.safetensors} {list(info.shape)}")
     numel = info.numel
     if numel == 0:
         return False
@@ -547,9 +531,9 @@ def _verify_tensor(source, f, info: TensorInfo, out_dtype: np.dtype, chunk_bytes
     for r0, r1, row in ranges:
         got = f.get_tensor(info.name) if row is None else sl[r0:r1]
         start, count = (0, 1) if row is None else (r0 * row, (r1 - r0) * row)
-        want = np.empty(count, dtype=info.dtype)
-        source.read([ReadRequest(info.name, start, want)])
-        want = as_torch_view(want).to(to_torch(out_dtype))
+        want = np.empty(count, dtype=info.dtype.raw_numpy)
+        source.read([ReadRequest(info.name, start, want, info.state)])
+        want = as_torch_view(want, info.dtype).to(out_dtype.torch)
         if not torch.equal(got.reshape(-1).view(torch.uint8), want.view(torch.uint8)):
             return problem(f"{fname}: {info.name} differs from the source in elements "
                            f"[{start}, {start + count})")

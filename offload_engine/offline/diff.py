@@ -20,12 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from offload_engine.io import BufferPool
-
-from .collect import single_thread
-from .compare import Comparison
-from .model import TensorMeta
-from .source import MiB, InspectSource, itemsize
+from ..formats.source import SourceBase, TensorMeta
+from ..io import BufferPool
+from ..units import MiB
+from .select import name_matches
 
 
 @dataclass
@@ -79,17 +77,19 @@ def _pairs(ta: TensorMeta, tb: TensorMeta, mode, report: DiffReport, label: str)
     return pairs
 
 
-def diff_sources(a: InspectSource, b: InspectSource, rtol: float = 0.0, atol: float = 0.0,
+def diff_sources(a: SourceBase, b: SourceBase, rtol: float = 0.0, atol: float = 0.0,
                  mode: str | Sequence[str] = "weights", names: Sequence[str] | None = None,
                  ignore_dtype: bool = False, window_bytes: int = 16 * MiB,
-                 progress: Callable[[int, int], None] | None = None) -> DiffReport:
-    import fnmatch
-
+                 progress: Callable[[int, int], None] | None = None,
+                 values: bool = True) -> DiffReport:
+    """Compare ``a`` with the reference ``b`` (see the module docstring). With ``values``
+    False only names, shapes, dtypes and state sets are compared (metadata: no tensor
+    byte is read, torch is not imported)."""
     report = DiffReport(ignore_dtype=ignore_dtype)
     na = {t.name: t for t in a.tensors()}
     nb = {t.name: t for t in b.tensors()}
     aa, ab = a.aliases(), b.aliases()
-    wanted = lambda n: not names or any(fnmatch.fnmatchcase(n, g) for g in names)
+    wanted = lambda n: name_matches(n, names)
     all_a = [n for n in list(na) + [x for x in aa if x not in na] if wanted(n)]
     all_b = set(n for n in list(nb) + list(ab) if wanted(n))
     report.removed = sorted(n for n in all_a if n not in all_b)
@@ -112,10 +112,20 @@ def diff_sources(a: InspectSource, b: InspectSource, rtol: float = 0.0, atol: fl
             if da != db:
                 report.changed.append({"name": name, "what": "dtype",
                                        "state": sa if sa == sb else f"{sa}/{sb}",
-                                       "a": str(da).removeprefix("torch."),
-                                       "b": str(db).removeprefix("torch.")})
+                                       "a": da.name, "b": db.name})
             jobs.append((name, ta, tb, sa, sb))
-    total = sum(ta.numel * (itemsize(ta.states[sa].dtype) + itemsize(tb.states[sb].dtype))
+    if values:
+        _compare_values(a, b, jobs, report, rtol, atol, window_bytes, progress)
+    return report
+
+
+def _compare_values(a, b, jobs, report: DiffReport, rtol: float, atol: float,
+                    window_bytes: int, progress) -> None:
+    """Stream each job's two states through ``Comparison`` (torch, imported here)."""
+    from .compare import Comparison
+    from .inspect_stats import single_thread
+
+    total = sum(ta.numel * (ta.states[sa].dtype.itemsize + tb.states[sb].dtype.itemsize)
                 for _, ta, tb, sa, sb in jobs)
     done = 0
     pool = BufferPool(2 * window_bytes)
@@ -124,15 +134,15 @@ def diff_sources(a: InspectSource, b: InspectSource, rtol: float = 0.0, atol: fl
             for name, ta, tb, sa, sb in jobs:
                 cmp = Comparison(rtol, atol)
                 da, db = ta.states[sa].dtype, tb.states[sb].dtype
-                per = max(1, window_bytes // max(itemsize(da), itemsize(db)))
-                with pool.acquire(per * itemsize(da)) as ba, pool.acquire(per * itemsize(db)) as bb:
+                per = max(1, window_bytes // max(da.itemsize, db.itemsize))
+                with pool.acquire(per * da.itemsize) as ba, pool.acquire(per * db.itemsize) as bb:
                     for lo in range(0, ta.numel, per):
                         n = min(per, ta.numel - lo)
-                        xa, xb = ba.view(da, n), bb.view(db, n)
-                        a.read(ta.name, sa, lo, xa)
-                        b.read(tb.name, sb, lo, xb)
+                        xa, xb = ba.view(da.torch, n), bb.view(db.torch, n)
+                        a.read_state(ta.name, sa, lo, xa)
+                        b.read_state(tb.name, sb, lo, xb)
                         cmp.add(xa, xb)
-                        done += n * (itemsize(da) + itemsize(db))
+                        done += n * (da.itemsize + db.itemsize)
                         if progress:
                             progress(done, total)
                 r = cmp.result()
@@ -140,4 +150,3 @@ def diff_sources(a: InspectSource, b: InspectSource, rtol: float = 0.0, atol: fl
                 report.values.append(r)
     finally:
         pool.close()
-    return report

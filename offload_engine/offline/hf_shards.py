@@ -1,11 +1,8 @@
 """The Hugging Face sharded safetensors layout, planned before any tensor byte is read.
 
-File format (safetensors): an 8-byte little-endian header length N, N bytes of JSON
-``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}``
-(offsets relative to the first byte after the header, tensors back to back with no
-holes), then the data. The JSON is padded with spaces to a multiple of 8 bytes, as the
-safetensors library does, and tensors are laid out by decreasing element size so every
-tensor starts aligned to its element size.
+Each file's header comes from the one safetensors codec (``formats.safetensors``);
+tensors are laid out by decreasing element size so every tensor starts aligned to its
+element size.
 
 Sharding (``huggingface_hub`` ``split_state_dict_into_shards_factory``): walk tensors in
 key order; a tensor larger than the limit gets a shard of its own, appended at once while
@@ -24,20 +21,15 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 
-import numpy as np
-
+from ..dtypes import DType
+from ..formats.safetensors import INDEX_FILE, HeaderEntry, encode_header
 from ..units import parse_bytes
-from .dtypes import SAFETENSORS_CODES
 
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # what a previous export into the same folder may have left (removed before publishing)
 OUTPUT_FILE_PATTERN = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
-
-DTYPE_CODES = SAFETENSORS_CODES  # numpy dtype (bfloat16 from ml_dtypes) -> "F32", "BF16", ...
 
 def parse_size(text: str | int) -> int:
     """A positive byte count: "5GB" (decimal, 5*10**9, as Hugging Face counts), "500MB",
@@ -54,7 +46,7 @@ class OutTensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: DType
 
     @property
     def numel(self) -> int:
@@ -117,15 +109,10 @@ def shard_filenames(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def encode_header(slots: list[Slot], metadata: dict[str, str]) -> bytes:
-    """8-byte length + JSON header padded with spaces to a multiple of 8 bytes."""
-    header: dict = {"__metadata__": dict(metadata)}
-    for s in slots:
-        header[s.tensor.name] = {"dtype": DTYPE_CODES[s.tensor.dtype], "shape": list(s.tensor.shape),
-                                 "data_offsets": [s.offset, s.offset + s.tensor.nbytes]}
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+def _header(slots: list[Slot], metadata: dict[str, str]) -> bytes:
+    return encode_header({s.tensor.name: HeaderEntry(s.tensor.dtype, s.tensor.shape, s.offset,
+                                                     s.offset + s.tensor.nbytes)
+                          for s in slots}, metadata)
 
 
 def plan_files(tensors: list[OutTensor], max_shard_bytes: int,
@@ -135,7 +122,7 @@ def plan_files(tensors: list[OutTensor], max_shard_bytes: int,
     ``aliases`` maps a tied name to the owner name written in its place.
     """
     for t in tensors:
-        if t.dtype not in DTYPE_CODES:
+        if t.dtype.safetensors is None:
             raise ValueError(f"{t.name}: dtype {t.dtype} has no safetensors code")
     groups = split_shards(tensors, max_shard_bytes)
     names = shard_filenames(len(groups))
@@ -152,7 +139,7 @@ def plan_files(tensors: list[OutTensor], max_shard_bytes: int,
         owners = {t.name for t in group}
         metadata = {"format": "pt"}
         metadata.update({a: o for a, o in sorted(aliases.items()) if o in owners})
-        plans.append(ShardPlan(filename, encode_header(slots, metadata), tuple(slots), offset))
+        plans.append(ShardPlan(filename, _header(slots, metadata), tuple(slots), offset))
     if len(plans) == 1:
         return plans, None
     index_meta: dict = {"total_size": sum(t.nbytes for t in tensors)}

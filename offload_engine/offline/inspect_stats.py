@@ -10,15 +10,13 @@ accumulator table per thread, while the I/O threads keep reading ahead.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
-from .model import TensorMeta
-from .source import InspectSource, Progress
-from .stats import ParallelStats
+from ..formats.source import Progress, SourceBase
+from .value_stats import ParallelStats
 
 
 @contextlib.contextmanager
@@ -31,26 +29,12 @@ def single_thread():
         torch.set_num_threads(old)
 
 
-def select(tensors: Iterable[TensorMeta], names: Sequence[str] | None = None,
-           states: Sequence[str] | None = None) -> list[tuple[TensorMeta, list[str]]]:
-    """Tensors whose name matches any glob of ``names`` (all when empty), each with its
-    states among ``states`` (all when empty); tensors left with no state are dropped."""
-    out = []
-    for t in tensors:
-        if names and not any(fnmatch.fnmatchcase(t.name, g) for g in names):
-            continue
-        keep = [s for s in t.states if not states or s in states]
-        if keep:
-            out.append((t, keep))
-    return out
-
-
 def default_workers() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else (os.cpu_count() or 1)))
 
 
-def collect_stats(source: InspectSource, keys: Sequence[tuple[str, str]],
+def collect_stats(source: SourceBase, keys: Sequence[tuple[str, str]],
                   progress: Progress | None = None, workers: int | None = None
                   ) -> tuple[dict, int]:
     """Statistics of every ``(tensor, state)`` in ``keys``: ({key: stats dict}, bytes read).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import InspectError
+from ..formats.errors import FormatError
 from .health import layer_of
 
 
@@ -42,7 +42,7 @@ def plot_layer_norms(stats: dict, order: list[str], out_path: str, title: str,
     try:
         import matplotlib
     except ImportError:
-        raise InspectError("--plot needs matplotlib (pip install 'offload-engine[plot]' or "
+        raise FormatError("--plot needs matplotlib (pip install 'offload-engine[plot]' or "
                            "pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -67,6 +67,6 @@ def plot_layer_norms(stats: dict, order: list[str], out_path: str, title: str,
     try:
         fig.savefig(out_path, dpi=120)
     except OSError as e:
-        raise InspectError(f"{out_path}: cannot write the figure ({e})") from None
+        raise FormatError(f"{out_path}: cannot write the figure ({e})") from None
     finally:
         plt.close(fig)

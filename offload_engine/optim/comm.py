@@ -1,14 +1,14 @@
-"""The two all_to_alls of a Muon chunk: U row blocks to each matrix's owner, O back.
+"""The two all_to_alls of a Muon bundle: U row blocks to each matrix's owner, O back.
 
-For chunk c, rank r packs its local rows of U (bf16) for every matrix into one send
+For bundle c, rank r packs its local rows of U (bf16) for every matrix into one send
 buffer, grouped by destination (the owner) in rank order and, within a destination, in
-chunk order. The owner receives, from each source in rank order, that source's rows of
+bundle order. The owner receives, from each source in rank order, that source's rows of
 each matrix it owns; rows of one matrix are therefore scattered over the receive buffer
 and are copied into the Newton-Schulz workspace in rank order (rank order is row order
 for Shard(0)). The owner writes O over the very same positions and the second all_to_all
 runs with the buffers' roles swapped, so each rank receives O exactly where it put U.
 
-Buffers are allocated once per pipeline slot, sized for the largest chunk; nothing is
+Buffers are allocated once per pipeline slot, sized for the largest bundle; nothing is
 allocated per step. Bytes moved to or from other ranks are counted (a rank's own block is
 copied locally by the collective and is not counted).
 """
@@ -40,8 +40,8 @@ class OwnedMatrix:
 
 
 @dataclass
-class ChunkPlan:
-    """Where a chunk's elements sit in the send and receive buffers of this rank."""
+class ExchangePlan:
+    """Where a bundle's elements sit in the send and receive buffers of this rank."""
 
     send_splits: list[int]                 # elements to each rank
     recv_splits: list[int]                 # elements from each rank
@@ -58,8 +58,8 @@ class ChunkPlan:
         return sum(self.recv_splits)
 
 
-def plan_chunk(infos: list, owners: list[int], rank: int, world: int, distributed: bool) -> ChunkPlan:
-    """The buffer layout of one Muon chunk; ``infos`` are its ParamInfos in chunk order."""
+def plan_exchange(infos: list, owners: list[int], rank: int, world: int, distributed: bool) -> ExchangePlan:
+    """The buffer layout of one Muon bundle; ``infos`` are its ParamInfos in bundle order."""
     if not distributed or world == 1:
         off, send_offset, owned = 0, {}, []
         for info in infos:
@@ -68,7 +68,7 @@ def plan_chunk(infos: list, owners: list[int], rank: int, world: int, distribute
             owned.append(OwnedMatrix(info.index, info.rows, info.row_numel,
                                      [Piece(rank if distributed else 0, off, 0, info.rows)]))
             off += n
-        return ChunkPlan([off], [off], send_offset, owned, local=True)
+        return ExchangePlan([off], [off], send_offset, owned, local=True)
     send_splits, recv_splits = [0] * world, [0] * world
     send_offset: dict[int, int] = {}
     off = 0
@@ -91,7 +91,7 @@ def plan_chunk(infos: list, owners: list[int], rank: int, world: int, distribute
                 Piece(src, off, info.row_offset(src), info.rows_per_rank[src]))
             off += n
             recv_splits[src] += n
-    return ChunkPlan(send_splits, recv_splits, send_offset, owned)
+    return ExchangePlan(send_splits, recv_splits, send_offset, owned)
 
 
 class Exchange:
@@ -109,13 +109,13 @@ class Exchange:
         self.bytes_received = 0
         self.calls = 0
 
-    def buffers(self, slot: int, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(self, slot: int, plan: ExchangePlan) -> tuple[torch.Tensor, torch.Tensor]:
         send = self.send[slot][:plan.send_numel]
         recv = send if plan.local else self.recv[slot][:plan.recv_numel]
         return send, recv
 
-    def forward(self, slot: int, plan: ChunkPlan):
-        """Start sending U to the owners; returns the Work (None for a local chunk)."""
+    def forward(self, slot: int, plan: ExchangePlan):
+        """Start sending U to the owners; returns the Work (None for a local bundle)."""
         if plan.local:
             return None
         send, recv = self.buffers(slot, plan)
@@ -123,7 +123,7 @@ class Exchange:
         return dist.all_to_all_single(recv, send, plan.recv_splits, plan.send_splits,
                                       group=self.group, async_op=True)
 
-    def backward(self, slot: int, plan: ChunkPlan):
+    def backward(self, slot: int, plan: ExchangePlan):
         """Start returning O (written over U in the receive buffer) to the row holders."""
         if plan.local:
             return None

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .muon_math import ADJUST_LR_FNS, DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
+from .muon_defaults import ADJUST_LR_FNS, DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 from .param_rules import default_use_muon
 
 # torch.optim.Muon(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ...) in 2.13

@@ -19,10 +19,7 @@ import math
 
 import torch
 
-DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
-DEFAULT_EPS = 1e-7
-DEFAULT_NS_STEPS = 5
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+from .muon_defaults import ADJUST_LR_FNS, DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
@@ -55,12 +52,6 @@ def apply_update_(param: torch.Tensor, update: torch.Tensor, lr: float, weight_d
     """Decoupled decay with the plain lr, then the orthogonalized step with the adjusted one."""
     param.mul_(1 - lr * weight_decay)
     param.add_(update, alpha=-lr_adjusted)
-
-
-def ns_flops(rows: int, cols: int, ns_steps: int = DEFAULT_NS_STEPS) -> int:
-    """Multiply-add work of Newton-Schulz on a rows x cols matrix (m = min, n = max dim)."""
-    m, n = sorted((rows, cols))
-    return ns_steps * (4 * m * m * n + 2 * m ** 3)
 
 
 class NewtonSchulz:

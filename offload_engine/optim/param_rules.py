@@ -8,8 +8,6 @@ between hidden spaces). This is the recipe of the Muon and Moonlight authors.
 
 from __future__ import annotations
 
-import torch
-
 # module names that hold an embedding table wherever they sit in the model
 _EMBEDDING_PARTS = ("wte", "wpe", "lm_head")
 # module names that are an output head when they sit at the top of the model ("output.weight"
@@ -19,15 +17,21 @@ _TOP_LEVEL_HEADS = ("output", "head", "classifier", "score")
 _WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
 
 
-def default_use_muon(name: str | None, param: torch.Tensor) -> bool:
-    """True when ``param`` (named ``name`` as in ``model.named_parameters()``) should use Muon.
+def default_use_muon(name: str | None, param) -> bool:
+    """True when ``param`` (a tensor named ``name`` as in ``model.named_parameters()``) should
+    use Muon: ``use_muon_for(name, param.ndim)``. For an FSDP2 DTensor, ``param.ndim`` is
+    that of the full tensor."""
+    return use_muon_for(name, param.ndim)
+
+
+def use_muon_for(name: str | None, ndim: int) -> bool:
+    """The rule on a parameter's name and number of dimensions (the planner has no tensor).
 
     2-D parameters use Muon unless a module in the name contains "embed", is one of
     ``wte``/``wpe``/``lm_head``, or is a top-level ``output``/``head``/``classifier``/``score``.
-    Everything that is not 2-D uses AdamW. Without a name, a 2-D parameter uses Muon. The
-    shape is the global one: for an FSDP2 DTensor, ``param.ndim`` is that of the full tensor.
+    Everything that is not 2-D uses AdamW. Without a name, a 2-D parameter uses Muon.
     """
-    if param.ndim != 2:
+    if ndim != 2:
         return False
     if not name:
         return True

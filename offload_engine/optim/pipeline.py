@@ -1,6 +1,6 @@
-"""One optimizer step over the chunks: state in from the store, math, exchange, state out.
+"""One optimizer step over the bundles: state in from the store, math, exchange, state out.
 
-A Muon chunk passes three stages, each a method here:
+A Muon bundle passes three stages, each a method here:
 
 1. ``pack``: for each bucket row, acquire the momentum (and master) bucket, update the
    momentum on the local shard, write the Nesterov input U as bf16 into the slot's send
@@ -11,13 +11,17 @@ A Muon chunk passes three stages, each a method here:
 3. ``apply``: wait for #2; decay and update the local shard (or the master, then copy it
    to the bf16 parameter); release the master buckets.
 
-``MuonPipeline`` keeps three chunks in flight (pack k, orthogonalize k-1, apply k-2), so
-the exchange of one chunk overlaps the compute of others, and advances one stage after
-each AdamW chunk (elementwise, no communication) so that work fills exchange time too.
-Every rank issues its collectives in the same order: stages advance at points that depend
-only on the chunk sequence, never on timing.
+Every stage works on a ``resources.StepResources`` (made once by the optimizer: store,
+layout, exchange plans, buffers) and a ``StepContext`` (what changes each step); state
+arrays are found by their ``StateKind``, never by name.
 
-A bucket that several rows use (a chunk's first or last bucket may hold its neighbours'
+``MuonPipeline`` keeps three bundles in flight (pack k, orthogonalize k-1, apply k-2), so
+the exchange of one bundle overlaps the compute of others, and advances one stage after
+each AdamW bundle (elementwise, no communication) so that work fills exchange time too.
+Every rank issues its collectives in the same order: stages advance at points that depend
+only on the bundle sequence, never on timing.
+
+A bucket that several rows use (a bundle's first or last bucket may hold its neighbours'
 state) goes back to the store only when the last of them is done (``step_events.Leases``),
 so it is read and written once per step. ``step_events.step_events`` lists the store calls
 this module makes; the planner replays them.
@@ -33,8 +37,11 @@ import torch
 from .adamw_math import adamw_update_
 from .groups import scalar
 from .muon_math import adjusted_lr, apply_update_, momentum_update_, nesterov_input
-from .state_layout import EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MOMENTUM
+from .resources import StepResources
+from .state_layout import StateKind
 from .step_events import SLOTS, Leases
+
+_ADAM_KINDS = (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.MAX_EXP_AVG_SQ)
 
 
 class StepContext:
@@ -54,32 +61,33 @@ class StepContext:
 
 
 class StepRunner:
-    """The math of each stage, over one optimizer's layout, store and buffers."""
+    """The math of each stage, over one rank's ``StepResources``."""
 
-    def __init__(self, opt):
-        self.o = opt
+    def __init__(self, res: StepResources):
+        self.res = res
 
     # -- helpers -------------------------------------------------------------------------------
-    def _rows(self, chunk, ctx):
-        return reversed(chunk.rows) if ctx.reverse else chunk.rows
+    def _rows(self, bundle, ctx):
+        return reversed(bundle.rows) if ctx.reverse else bundle.rows
 
     def _acquire_row(self, row, ctx, names=None):
         names = list(row.buckets) if names is None else names
         if ctx.reverse:
             names = names[::-1]
-        o = self.o
-        return {n: o.store.acquire(o.array_name(n), row.buckets[n], device=o.device) for n in names}
+        res = self.res
+        return {n: res.store.acquire(res.array_name(n), row.buckets[n], device=res.device)
+                for n in names}
 
     def _release(self, ctx, row, name, handle, dirty: bool) -> None:
         """This row is done with ``name``'s bucket (``handle`` None: it skipped it)."""
         item = None if handle is None else (handle, dirty)
         for h, d in ctx.leases.done((name, row.buckets[name]), item):
-            self.o.store.release(h, dirty=d)
+            self.res.store.release(h, dirty=d)
 
     def _grad(self, ctx, seg, master: bool):
         g = ctx.grads_flat[seg.param][seg.lo:seg.hi]
         if master:
-            return self.o.scratch("grad", torch.float32, seg.hi - seg.lo).copy_(g)
+            return self.res.scratch.get("grad", torch.float32, seg.hi - seg.lo).copy_(g)
         return g
 
     def _master_seg(self, handle, seg, ctx):
@@ -89,70 +97,71 @@ class StepRunner:
         return m
 
     # -- Muon ------------------------------------------------------------------------------------
-    def pack(self, chunk, slot, ctx) -> list:
+    def pack(self, bundle, slot, ctx) -> list:
         """Momentum update and bf16 U into the send buffer; returns held master handles."""
-        o = self.o
-        plan = o.plans[chunk.index]
-        send, _ = o.exchange.buffers(slot, plan)
-        mom = next(n for n in chunk.arrays if n.startswith(MOMENTUM))
-        has_master = MASTER in chunk.arrays
+        res = self.res
+        plan = res.plans[bundle.index]
+        send, _ = res.exchange.buffers(slot, plan)
+        mom = bundle.key(StateKind.MOMENTUM).name
+        master = bundle.key(StateKind.MASTER)
         held = []
-        for row in self._rows(chunk, ctx):
+        for row in self._rows(bundle, ctx):
             handles = self._acquire_row(row, ctx)
             touched = False
             for seg in row.segments:
                 if seg.param not in ctx.active:
                     continue
                 touched = True
-                g = o.infos[seg.param].group
+                g = res.infos[seg.param].group
                 n = seg.hi - seg.lo
-                grad = self._grad(ctx, seg, has_master)
+                grad = self._grad(ctx, seg, master is not None)
                 buf = handles[mom].tensor[seg.offset:seg.offset + n]
                 momentum_update_(buf, grad, g["momentum"])
                 u = nesterov_input(grad, buf, g["momentum"], g["nesterov"],
-                                   out=o.scratch("u", buf.dtype, n))
+                                   out=res.scratch.get("u", buf.dtype, n))
                 start = plan.send_offset[seg.param] + seg.lo
                 send[start:start + n].copy_(u)
-                if has_master:
-                    self._master_seg(handles[MASTER], seg, ctx)  # first step: start from the param
+                if master is not None:  # first step: the master starts from the parameter
+                    self._master_seg(handles[master.name], seg, ctx)
             self._release(ctx, row, mom, handles[mom], touched)
-            if has_master:
-                held.append((row, handles[MASTER], touched))
+            if master is not None:
+                held.append((row, handles[master.name], touched))
         return held
 
-    def orthogonalize(self, chunk, slot, ctx) -> None:
-        """Newton-Schulz on every matrix this rank owns in ``chunk``; O replaces U in place."""
-        o = self.o
-        plan = o.plans[chunk.index]
-        _, recv = o.exchange.buffers(slot, plan)
+    def orthogonalize(self, bundle, slot, ctx) -> None:
+        """Newton-Schulz on every matrix this rank owns in ``bundle``; O replaces U in place."""
+        res = self.res
+        plan = res.plans[bundle.index]
+        _, recv = res.exchange.buffers(slot, plan)
         t0 = time.perf_counter()
         for om in plan.owned:
             if om.param not in ctx.active:
                 continue
-            g = o.infos[om.param].group
+            g = res.infos[om.param].group
             cols = om.cols
-            x = o.ns.input(om.rows, cols).view(-1)
+            x = res.ns.input(om.rows, cols).view(-1)
             for pc in om.pieces:
                 x[pc.row_start * cols:(pc.row_start + pc.rows) * cols].copy_(
                     recv[pc.offset:pc.offset + pc.rows * cols])
-            out = o.ns.run(om.rows, cols, g["ns_coefficients"], g["ns_steps"], g["eps"])
+            out = res.ns.run(om.rows, cols, g["ns_coefficients"], g["ns_steps"], g["eps"])
             for pc in om.pieces:
                 recv[pc.offset:pc.offset + pc.rows * cols].view(pc.rows, cols).copy_(
                     out[pc.row_start:pc.row_start + pc.rows])
         ctx.ns_s += time.perf_counter() - t0
 
-    def apply(self, chunk, slot, ctx, held) -> None:
+    def apply(self, bundle, slot, ctx, held) -> None:
         """Decay and orthogonalized step on the local shard (or master); release masters."""
-        o = self.o
-        plan = o.plans[chunk.index]
-        send, _ = o.exchange.buffers(slot, plan)
+        res = self.res
+        plan = res.plans[bundle.index]
+        send, _ = res.exchange.buffers(slot, plan)
         masters = {id(row): (h, touched) for row, h, touched in held}
-        for row in self._rows(chunk, ctx):
+        master = bundle.key(StateKind.MASTER)
+        for row in self._rows(bundle, ctx):
             mh = masters.get(id(row))
             for seg in row.segments:
                 if seg.param not in ctx.active:
                     continue
-                info = o.infos[seg.param]
+                info = res.infos[seg.param]
                 g = info.group
                 lr = scalar(g["lr"])
                 n = seg.hi - seg.lo
@@ -165,16 +174,14 @@ class StepRunner:
                 if mh is not None:
                     p.copy_(target)
             if mh is not None:
-                self._release(ctx, row, MASTER, mh[0], mh[1])
+                self._release(ctx, row, master.name, mh[0], mh[1])
 
     # -- AdamW -----------------------------------------------------------------------------------
-    def adamw_chunk(self, chunk, ctx) -> None:
-        o = self.o
-        has_master = MASTER in chunk.arrays
-        names = {k: next((n for n in chunk.arrays if n.startswith(k) and
-                          (k != EXP_AVG or not n.startswith(EXP_AVG_SQ))), None)
-                 for k in (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ)}
-        for row in self._rows(chunk, ctx):
+    def adamw_bundle(self, bundle, ctx) -> None:
+        res = self.res
+        master = bundle.key(StateKind.MASTER)
+        names = {k: (bundle.key(k).name if bundle.key(k) is not None else None) for k in _ADAM_KINDS}
+        for row in self._rows(bundle, ctx):
             if not any(s.param in ctx.active for s in row.segments):
                 for n in row.buckets:
                     self._release(ctx, row, n, None, False)
@@ -183,27 +190,27 @@ class StepRunner:
             for seg in row.segments:
                 if seg.param not in ctx.active:
                     continue
-                g = o.infos[seg.param].group
+                g = res.infos[seg.param].group
                 n = seg.hi - seg.lo
                 view = lambda k: handles[names[k]].tensor[seg.offset:seg.offset + n]
-                grad = self._grad(ctx, seg, has_master)
+                grad = self._grad(ctx, seg, master is not None)
                 p = ctx.params_flat[seg.param][seg.lo:seg.hi]
-                target = self._master_seg(handles[MASTER], seg, ctx) if has_master else p
+                target = self._master_seg(handles[master.name], seg, ctx) if master is not None else p
                 beta1, beta2 = g["betas"]
-                adamw_update_(target, grad, view(EXP_AVG), view(EXP_AVG_SQ),
-                              view(MAX_EXP_AVG_SQ) if g["amsgrad"] else None,
-                              o.scratch("denom", target.dtype, n),
+                adamw_update_(target, grad, view(StateKind.EXP_AVG), view(StateKind.EXP_AVG_SQ),
+                              view(StateKind.MAX_EXP_AVG_SQ) if g["amsgrad"] else None,
+                              res.scratch.get("denom", target.dtype, n),
                               step=ctx.steps[seg.param], lr=scalar(g["lr"]), beta1=scalar(beta1),
                               beta2=scalar(beta2), eps=g["eps"], weight_decay=g["weight_decay"],
                               amsgrad=g["amsgrad"], maximize=g["maximize"])
-                if has_master:
+                if master is not None:
                     p.copy_(target)
             for n, h in handles.items():
                 self._release(ctx, row, n, h, True)
 
 
 class MuonPipeline:
-    """Three Muon chunks in flight; stages advance at fixed points of the chunk sequence."""
+    """Three Muon bundles in flight; stages advance at fixed points of the bundle sequence."""
 
     def __init__(self, runner: StepRunner, ctx: StepContext):
         self.r, self.ctx = runner, ctx
@@ -211,19 +218,20 @@ class MuonPipeline:
         self.to_apply: deque = deque()
         self.next_slot = 0
 
-    def push(self, chunk) -> None:
+    def push(self, bundle) -> None:
         slot = self.next_slot
         self.next_slot = (slot + 1) % SLOTS
-        held = self.r.pack(chunk, slot, self.ctx)
-        work = self.r.o.exchange.forward(slot, self.r.o.plans[chunk.index])
-        self.to_orthogonalize.append((chunk, slot, work, held))
+        held = self.r.pack(bundle, slot, self.ctx)
+        res = self.r.res
+        work = res.exchange.forward(slot, res.plans[bundle.index])
+        self.to_orthogonalize.append((bundle, slot, work, held))
         while len(self.to_orthogonalize) > 1:
             self._orthogonalize_oldest()
         while len(self.to_apply) > 1:
             self._apply_oldest()
 
     def advance(self) -> None:
-        """One stage of the oldest chunk in flight (called after each AdamW chunk)."""
+        """One stage of the oldest bundle in flight (called after each AdamW bundle)."""
         if self.to_apply:
             self._apply_oldest()
         elif self.to_orthogonalize:
@@ -242,13 +250,14 @@ class MuonPipeline:
             self.ctx.comm_wait_s += time.perf_counter() - t0
 
     def _orthogonalize_oldest(self) -> None:
-        chunk, slot, work, held = self.to_orthogonalize.popleft()
+        bundle, slot, work, held = self.to_orthogonalize.popleft()
         self._wait(work)
-        self.r.orthogonalize(chunk, slot, self.ctx)
-        back = self.r.o.exchange.backward(slot, self.r.o.plans[chunk.index])
-        self.to_apply.append((chunk, slot, back, held))
+        self.r.orthogonalize(bundle, slot, self.ctx)
+        res = self.r.res
+        back = res.exchange.backward(slot, res.plans[bundle.index])
+        self.to_apply.append((bundle, slot, back, held))
 
     def _apply_oldest(self) -> None:
-        chunk, slot, work, held = self.to_apply.popleft()
+        bundle, slot, work, held = self.to_apply.popleft()
         self._wait(work)
-        self.r.apply(chunk, slot, self.ctx, held)
+        self.r.apply(bundle, slot, self.ctx, held)

@@ -9,45 +9,15 @@ construction, so the owner of a matrix knows where each block comes from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
+
+from .params import ParamInfo
 
 try:
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover - torch without DTensor
     DTensor, Shard = (), None
-
-
-@dataclass(eq=False)
-class ParamInfo:
-    """One parameter as the optimizer sees it. Shapes are global."""
-
-    index: int                 # position over all groups, as in torch's state_dict
-    param: torch.Tensor
-    group: dict
-    name: str | None
-    kind: str                  # "muon" | "adamw"
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    distributed: bool          # a Shard(0) DTensor (on a mesh of any size); else held whole
-    rows_per_rank: list[int] = field(default_factory=list)
-    row_numel: int = 1         # elements per row (product of the other dims)
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.row_numel
-
-    def local_numel(self, rank: int) -> int:
-        return self.rows_per_rank[rank] * self.row_numel
-
-    def row_offset(self, rank: int) -> int:
-        return sum(self.rows_per_rank[:rank])
 
 
 def is_dtensor(t) -> bool:

@@ -2,52 +2,50 @@
 time (memory bounded by the largest local shard, never the whole state).
 
 State keys are torch's: ``momentum_buffer`` (Muon, lerp convention), ``exp_avg``,
-``exp_avg_sq``, ``max_exp_avg_sq`` (AdamW) and ``master_param``.
+``exp_avg_sq``, ``max_exp_avg_sq`` (AdamW) and ``master_param``; each is one
+``state_layout.StateKind``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .sharding import ParamInfo, local_tensor
-from .state_io import _write_array, state_key
+from .params import ParamInfo
+from .sharding import local_tensor
+from .state_io import _write_array
+from .state_layout import ArrayKey
 
 
-def _chunk(opt, info: ParamInfo):
-    return opt.layout.chunks[opt.layout.param_chunk[info.index]]
-
-
-def param_state_arrays(opt, info: ParamInfo) -> dict[str, str]:
-    """``{torch state key: layout array name}`` for one parameter."""
-    return {state_key(name): name for name in _chunk(opt, info).arrays}
+def param_state_arrays(opt, info: ParamInfo) -> dict[str, ArrayKey]:
+    """``{torch state key: state array}`` for one parameter."""
+    return {k.kind.state_key: k for k in opt.layout.bundle_of(info.index).keys}
 
 
 def state_arrays(opt) -> dict[str, tuple[str, str, torch.dtype, int]]:
     """Every state array of this rank's layout: ``{layout name: (store array name, torch
-    state key, dtype, numel)}``. A copy of a store array (a snapshot) holds parameter
+    state key, torch dtype, numel)}``. A copy of a store array (a snapshot) holds parameter
     ``info``'s state ``key`` at ``state_offsets(opt, info)[key][1]``."""
-    return {name: (opt.array_name(name), state_key(name), dtype, numel)
-            for name, (dtype, numel) in opt.layout.arrays.items()}
+    return {name: (opt.array_name(name), a.key.kind.state_key, a.dtype.torch, a.numel)
+            for name, a in opt.layout.arrays.items()}
 
 
 def state_offsets(opt, info: ParamInfo) -> dict[str, tuple[str, int, int]]:
     """``{torch state key: (layout array name, first element, elements)}`` of this rank's
     rows of ``info`` in the store's flat arrays (contiguous: the packed layout)."""
-    chunk = _chunk(opt, info)
-    offset, numel = chunk.offsets[info.index], chunk.sizes[info.index]
-    return {state_key(name): (name, chunk.starts[name] + offset, numel) for name in chunk.arrays}
+    bundle = opt.layout.bundle_of(info.index)
+    offset, numel = bundle.offsets[info.index], bundle.sizes[info.index]
+    return {k.kind.state_key: (k.name, bundle.starts[k.name] + offset, numel) for k in bundle.keys}
 
 
 def state_dtype(opt, info: ParamInfo, key: str) -> torch.dtype:
-    """The dtype state ``key`` of ``info`` is kept in (``Chunk.array_dtype``)."""
-    return _chunk(opt, info).array_dtype(param_state_arrays(opt, info)[key])
+    """The torch dtype state ``key`` of ``info`` is kept in."""
+    return param_state_arrays(opt, info)[key].dtype.torch
 
 
 def write_param_state(opt, info: ParamInfo, key: str, flat: torch.Tensor) -> None:
     """Set this rank's rows of state ``key`` of ``info`` from a flat tensor."""
-    name = param_state_arrays(opt, info)[key]
-    _write_array(opt, info, name, flat.to(dtype=_chunk(opt, info).array_dtype(name),
-                                          device=opt.device))
+    akey = param_state_arrays(opt, info)[key]
+    _write_array(opt, info, akey, flat.to(dtype=akey.dtype.torch, device=opt.device))
 
 
 def adam_step(opt, info: ParamInfo) -> float | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from .sharding import is_dtensor
-from .state_layout import EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MOMENTUM
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -23,31 +22,18 @@ except ImportError:  # pragma: no cover
     DTensor, Shard = None, None
 
 
-def state_key(array: str) -> str:
-    """The torch state key an array holds."""
-    for prefix, key in ((MAX_EXP_AVG_SQ, "max_exp_avg_sq"), (EXP_AVG_SQ, "exp_avg_sq"),
-                        (EXP_AVG, "exp_avg"), (MOMENTUM, "momentum_buffer"), (MASTER, "master_param")):
-        if array.startswith(prefix):
-            return key
-    raise KeyError(array)
-
-
 def _local_shape(opt, info) -> tuple[int, ...]:
     rows = info.rows_per_rank[opt.rank if info.distributed else 0]
     return (rows, *info.shape[1:]) if info.shape else ()
 
 
-def _pieces(opt, info):
-    chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
-    return chunk, opt.layout.param_pieces(info.index)
-
-
-def _read_array(opt, info, name: str) -> torch.Tensor:
-    chunk, pieces = _pieces(opt, info)
-    dtype = chunk.array_dtype(name)
-    out = torch.zeros(chunk.sizes[info.index], dtype=dtype, device=opt.device)
-    for j, seg in pieces:
-        h = opt.store.acquire(opt.array_name(name), chunk.rows[j].buckets[name], device=opt.device)
+def _read_array(opt, info, key) -> torch.Tensor:
+    """This rank's part of state array ``key`` (an ArrayKey) of ``info``, in its shape."""
+    bundle = opt.layout.bundle_of(info.index)
+    out = torch.zeros(bundle.sizes[info.index], dtype=key.dtype.torch, device=opt.device)
+    for j, seg in opt.layout.param_pieces(info.index):
+        h = opt.store.acquire(opt.array_name(key.name), bundle.rows[j].buckets[key.name],
+                              device=opt.device)
         try:
             out[seg.lo:seg.hi].copy_(h.tensor[seg.offset:seg.offset + seg.hi - seg.lo])
         finally:
@@ -55,11 +41,13 @@ def _read_array(opt, info, name: str) -> torch.Tensor:
     return out.view(_local_shape(opt, info))
 
 
-def _write_array(opt, info, name: str, value: torch.Tensor | None) -> None:
-    """Write this rank's part (flat, right length) or zeros (None) into the store."""
-    chunk, pieces = _pieces(opt, info)
-    for j, seg in pieces:
-        h = opt.store.acquire(opt.array_name(name), chunk.rows[j].buckets[name], device=opt.device)
+def _write_array(opt, info, key, value: torch.Tensor | None) -> None:
+    """Write this rank's part (flat, right length, in ``key.dtype``) of state array ``key``
+    (an ArrayKey) of ``info``, or zeros (None), into the store."""
+    bundle = opt.layout.bundle_of(info.index)
+    for j, seg in opt.layout.param_pieces(info.index):
+        h = opt.store.acquire(opt.array_name(key.name), bundle.rows[j].buckets[key.name],
+                              device=opt.device)
         try:
             dst = h.tensor[seg.offset:seg.offset + seg.hi - seg.lo]
             if value is None:
@@ -83,12 +71,11 @@ def read_state(opt) -> dict:
     for info in opt.infos:
         if info.index not in opt._initialized:
             continue
-        chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
         entry = {}
         if info.kind == "adamw":
             entry["step"] = opt.state[info.param]["step"].clone()
-        for name in chunk.arrays:
-            entry[state_key(name)] = _wrap(info, _read_array(opt, info, name))
+        for key in opt.layout.bundle_of(info.index).keys:
+            entry[key.kind.state_key] = _wrap(info, _read_array(opt, info, key))
         state[info.index] = entry
     groups, start = [], 0
     for g in opt.param_groups:
@@ -135,23 +122,22 @@ def load_state(opt, state_dict: dict) -> None:
     with torch.no_grad():
         for info, pid in zip(opt.infos, saved_ids):
             entry = states.get(pid)
-            chunk = opt.layout.chunks[opt.layout.param_chunk[info.index]]
+            keys = opt.layout.bundle_of(info.index).keys
             if entry is None:
-                for name in chunk.arrays:
-                    _write_array(opt, info, name, None)
+                for akey in keys:
+                    _write_array(opt, info, akey, None)
                 opt._initialized.discard(info.index)
                 opt.state.pop(info.param, None)
                 continue
-            for name in chunk.arrays:
-                key = state_key(name)
-                dtype = chunk.array_dtype(name)
+            for akey in keys:
+                key = akey.kind.state_key
                 if key not in entry:
                     if key != "master_param":
                         raise KeyError(f"state of parameter {info.name or info.index} has no {key!r}")
                     value = _local_part(opt, info, info.param.detach(), key)  # master from the param
                 else:
                     value = _local_part(opt, info, entry[key], key)
-                _write_array(opt, info, name, value.to(dtype=dtype, device=opt.device))
+                _write_array(opt, info, akey, value.to(dtype=akey.dtype.torch, device=opt.device))
             if info.kind == "adamw":
                 if "step" not in entry:
                     raise KeyError(f"state of parameter {info.name or info.index} has no 'step'")

@@ -1,15 +1,15 @@
 """The store calls one ZeroMuon step makes, without the math: what the pipeline does, what
 the planner replays, and how many buckets a step holds at once.
 
-A step walks the chunks (reversed on alternate steps) and acquires each row's buckets:
+A step walks the bundles (reversed on alternate steps) and acquires each row's buckets:
 
-- Muon chunk: per row, acquire the momentum (and master) bucket, release the momentum;
-  the masters stay held until the chunk's apply stage, two Muon chunks later or after
-  AdamW chunks advance the pipeline (``MuonPipeline``: ``SLOTS`` chunks in flight);
-- AdamW chunk: per row, acquire every array's bucket, release them all; then advance the
+- Muon bundle: per row, acquire the momentum (and master) bucket, release the momentum;
+  the masters stay held until the bundle's apply stage, two Muon bundles later or after
+  AdamW bundles advance the pipeline (``MuonPipeline``: ``SLOTS`` bundles in flight);
+- AdamW bundle: per row, acquire every array's bucket, release them all; then advance the
   Muon pipeline one stage.
 
-A bucket several rows use (the state layout packs chunks back to back, so a chunk's first
+A bucket several rows use (the state layout packs bundles back to back, so a bundle's first
 and last buckets may be its neighbours' too) is released to the store only when its last
 user of the step is done (``Leases``): between two uses it stays acquired, so the store
 neither evicts nor re-reads it and the step reads and writes it once.
@@ -21,7 +21,7 @@ from collections import deque
 from typing import NamedTuple
 
 from ..io.align import round_up
-from .state_layout import MASTER, MOMENTUM
+from .state_layout import StateKind
 
 SLOTS = 3
 
@@ -73,10 +73,11 @@ def step_events(layout, reverse: bool) -> list[tuple[str, tuple[str, int]]]:
             ev.append(("release", key))
 
     def apply_oldest():
-        chunk = to_apply.popleft()
-        if MASTER in chunk.arrays:
-            for row, _ in rows.get(chunk.index, []):
-                release(MASTER, row)
+        bundle = to_apply.popleft()
+        master = bundle.key(StateKind.MASTER)
+        if master is not None:
+            for row, _ in rows.get(bundle.index, []):
+                release(master.name, row)
 
     def orth_oldest():
         to_apply.append(to_orth.popleft())
@@ -87,20 +88,20 @@ def step_events(layout, reverse: bool) -> list[tuple[str, tuple[str, int]]]:
         elif to_orth:
             orth_oldest()
 
-    for chunk in (layout.chunks[::-1] if reverse else layout.chunks):
-        if chunk.kind == "muon":
-            mom = next(n for n in chunk.arrays if n.startswith(MOMENTUM))
-            for row, names in rows.get(chunk.index, []):
+    for bundle in (layout.bundles[::-1] if reverse else layout.bundles):
+        if bundle.kind == "muon":
+            mom = bundle.key(StateKind.MOMENTUM).name
+            for row, names in rows.get(bundle.index, []):
                 for n in names:
                     ev.append(("acquire", (n, row.buckets[n])))
                 release(mom, row)
-            to_orth.append(chunk)
+            to_orth.append(bundle)
             while len(to_orth) > 1:
                 orth_oldest()
             while len(to_apply) > 1:
                 apply_oldest()
         else:
-            for row, names in rows.get(chunk.index, []):
+            for row, names in rows.get(bundle.index, []):
                 for n in names:
                     ev.append(("acquire", (n, row.buckets[n])))
                 for n in names:
@@ -131,8 +132,8 @@ def peak_held(layout, reverse: bool) -> int:
 
 def working_buckets(layout) -> int:
     """Buckets of pinned pool a step needs beyond cpu-homed state when state is on NVMe:
-    the most it holds at once (either walking direction) and one spare; e.g. a Muon chunk's
-    momentum bucket while the masters of the chunks in flight are held, or one AdamW row
+    the most it holds at once (either walking direction) and one spare; e.g. a Muon bundle's
+    momentum bucket while the masters of the bundles in flight are held, or one AdamW row
     (2-4 arrays), with the shared buckets kept between uses. ZeroMuon refuses a smaller
     pool and sizes its CUDA staging arena by it; the planner uses the same figure."""
     if "working" not in layout._cache:
@@ -151,12 +152,13 @@ def pool_use(layout, homes: dict[str, str], cpu_budget: int) -> PoolUse:
     ``homes`` (name -> "cpu" | "nvme"): ZeroMuon refuses a negative ``spare`` and keeps its
     short tails in it; the planner's step replay does the same."""
     pinned = 0
-    for name, (dtype, numel) in layout.arrays.items():
+    for name, a in layout.arrays.items():
         if homes[name] == "cpu":
-            be = layout.bucket_bytes // dtype.itemsize
-            full, rem = divmod(numel, be)
-            pinned += full * round_up(be * dtype.itemsize) + round_up(rem * dtype.itemsize)
-    nvme = any(homes[name] == "nvme" and numel for name, (_, numel) in layout.arrays.items())
+            size = a.dtype.itemsize
+            be = layout.bucket_bytes // size
+            full, rem = divmod(a.numel, be)
+            pinned += full * round_up(be * size) + round_up(rem * size)
+    nvme = any(homes[name] == "nvme" and a.numel for name, a in layout.arrays.items())
     work = working_buckets(layout) * layout.bucket_bytes if nvme else 0
     return PoolUse(pinned, work, cpu_budget - pinned - work)
 

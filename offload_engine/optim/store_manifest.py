@@ -2,7 +2,7 @@
 show a live store per parameter: the tensor table (global shape, dtype, optimizer kind,
 state dtypes) in the store's group attributes, and this rank's shard table (where its rows
 of every state sit in the flat arrays) in group ``rank{r}``. The planner sizes the same
-tables with ``manifest_tables``."""
+tables with ``manifest_tables`` (pure: no torch)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Callable
 
 from .. import dtypes
 from ..layout.manifest import shard_entry, tensor_entry
-from .state_io import state_key
 
 
 def store_manifest(opt) -> tuple[dict, dict]:
@@ -29,15 +28,15 @@ def manifest_tables(infos, layout, rank: int, world: int, array_name: Callable[[
     holds, ``array_name`` the store name of a layout array."""
     tensors, shards = {}, {}
     for info in infos:
-        chunk = layout.chunks[layout.param_chunk[info.index]]
+        bundle = layout.bundle_of(info.index)
         rows = rows_of(info)
-        offset = chunk.offsets[info.index]
+        offset = bundle.offsets[info.index]
         name = info.name or f"param.{info.index}"
-        state_dtypes = {state_key(a): dtypes.dtype(chunk.array_dtype(a)).name for a in chunk.arrays}
-        tensors[name] = tensor_entry(info.shape, dtypes.dtype(info.dtype).name, info.kind, state_dtypes,
-                                     rows, world)
+        state_dtypes = {k.kind.state_key: k.dtype.name for k in bundle.keys}
+        tensors[name] = tensor_entry(info.shape, dtypes.dtype(info.dtype).name, info.kind,
+                                     state_dtypes, rows, world)
         row_start = sum(rows[:rank]) if info.distributed else 0
-        shards[name] = shard_entry(row_start, rows[rank], chunk.sizes[info.index],
-                                   {state_key(a): (array_name(a), chunk.starts[a] + offset)
-                                    for a in chunk.arrays})
+        shards[name] = shard_entry(row_start, rows[rank], bundle.sizes[info.index],
+                                   {k.kind.state_key: (array_name(k.name), bundle.starts[k.name] + offset)
+                                    for k in bundle.keys})
     return {"world_size": world, "rank": rank, "tensors": tensors}, shards

@@ -5,7 +5,7 @@ tensors. Optimizer state (Muon momentum, Adam moments, optionally fp32 masters) 
 per-rank TieredStore (GPU, pinned CPU or NVMe), never in Python-held tensors. Each step
 reads and writes every state bucket once, prefetched ahead of compute; a Muon matrix's
 Nesterov input travels as bf16 to one owner rank, which runs Newton-Schulz, and the result
-travels back (two all_to_alls per chunk; momentum is never gathered). Results equal
+travels back (two all_to_alls per bundle; momentum is never gathered). Results equal
 torch.optim.Muon / torch.optim.AdamW run on the unsharded model, bit for bit, on CPU.
 
 See docs/optimizer.md.
@@ -22,18 +22,21 @@ import torch.distributed as dist
 
 from ..layout.manifest import write_shard_table
 from ..store import StoreConfig, TieredStore
-from .comm import Exchange, plan_chunk
-from .manifest import store_manifest
+from .comm import Exchange, plan_exchange
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
-from .muon_math import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, NewtonSchulz
+from .muon_defaults import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
+from .muon_math import NewtonSchulz
 from .owners import assign_owners
 from .param_rules import default_use_muon
-from .pipeline import SLOTS, MuonPipeline, StepContext, StepRunner
-from .step_events import Leases, kept_tails, pool_use, working_buckets
-from .sharding import ParamInfo, describe, flat_local, is_dtensor, local_tensor, process_group_of
+from .params import ParamInfo
+from .pipeline import MuonPipeline, StepContext, StepRunner
+from .resources import Scratch, StepResources
+from .sharding import describe, flat_local, is_dtensor, local_tensor, process_group_of
 from .state_io import load_state, read_state
 from .state_layout import build_layout
-from .stats import StepStats
+from .step_events import SLOTS, Leases, kept_tails, pool_use, working_buckets
+from .step_stats import StepStats
+from .store_manifest import store_manifest
 
 log = logging.getLogger(__name__)
 
@@ -125,34 +128,46 @@ class ZeroMuon(torch.optim.Optimizer):
             amsgrad_of=lambda i: i.kind == "adamw" and bool(i.group["amsgrad"]))
         self._open_store(store, cfg)
 
-        muon_chunks = [c for c in self.layout.chunks if c.kind == "muon"]
-        dist_chunks = [c for c in muon_chunks if c.distributed and self.world > 1]
-        owners = assign_owners([[infos[p].shape for p in c.params] for c in dist_chunks], self.world)
-        owner_of = {c.index: o for c, o in zip(dist_chunks, owners)}
-        self.plans = {c.index: plan_chunk([infos[p] for p in c.params],
-                                          owner_of.get(c.index, [self.rank] * len(c.params)),
-                                          self.rank, self.world, c.distributed)
-                      for c in muon_chunks}
-        self.owner = {p: o for c, os_ in zip(dist_chunks, owners) for p, o in zip(c.params, os_)}
-        plans = list(self.plans.values())
-        self.exchange = Exchange(self.group, self.rank, self.world, SLOTS,
-                                 max((pl.send_numel for pl in plans), default=0),
-                                 max((pl.recv_numel for pl in plans if not pl.local), default=0),
-                                 device=self.device)
-        owned = [m for pl in plans for m in pl.owned]
-        self.ns = NewtonSchulz(max((m.rows * m.cols for m in owned), default=0),
-                               max((min(m.rows, m.cols) for m in owned), default=0), self.device)
-        self._max_segment = max((s.hi - s.lo for c in self.layout.chunks for r in c.rows
-                                 for s in r.segments), default=0)
-        self._scratch: dict = {}
+        self.resources = self._step_resources()
         self._initialized: set[int] = set()
         self._orders = {rev: [(self.array_name(n), b) for n, b in self.layout.step_order(rev)]
                         for rev in (False, True)}
         self._store_steps = 0
         self._order_warned = False
-        self._runner = StepRunner(self)
+        self._runner = StepRunner(self.resources)
         self.last_step_stats: StepStats | None = None
         self._steps_done = 0
+
+    def _step_resources(self) -> StepResources:
+        """The owners of the Muon matrices, each bundle's exchange plan, and every buffer a
+        step uses, allocated once for the largest bundle, matrix and segment."""
+        infos = self.infos
+        muon = [c for c in self.layout.bundles if c.kind == "muon"]
+        exchanged = [c for c in muon if c.distributed and self.world > 1]
+        owners = assign_owners([[infos[p].shape for p in c.params] for c in exchanged], self.world)
+        owner_of = {c.index: o for c, o in zip(exchanged, owners)}
+        plans = {c.index: plan_exchange([infos[p] for p in c.params],
+                                        owner_of.get(c.index, [self.rank] * len(c.params)),
+                                        self.rank, self.world, c.distributed)
+                 for c in muon}
+        exchange = Exchange(self.group, self.rank, self.world, SLOTS,
+                            max((pl.send_numel for pl in plans.values()), default=0),
+                            max((pl.recv_numel for pl in plans.values() if not pl.local), default=0),
+                            device=self.device)
+        owned = [m for pl in plans.values() for m in pl.owned]
+        ns = NewtonSchulz(max((m.rows * m.cols for m in owned), default=0),
+                          max((min(m.rows, m.cols) for m in owned), default=0), self.device)
+        longest = max((s.hi - s.lo for c in self.layout.bundles for r in c.rows
+                       for s in r.segments), default=0)
+        return StepResources(self.store, self.layout, infos, plans, exchange, ns,
+                             Scratch(longest, self.device), self.device, self.prefix,
+                             {p: o for c, os_ in zip(exchanged, owners) for p, o in zip(c.params, os_)})
+
+    # what a step uses, by name, for callers that inspect it (tests, benchmarks)
+    plans = property(lambda self: self.resources.plans)
+    exchange = property(lambda self: self.resources.exchange)
+    ns = property(lambda self: self.resources.ns)
+    owner = property(lambda self: self.resources.owner)
 
     def _store_config(self, store) -> StoreConfig:
         if isinstance(store, TieredStore):
@@ -167,8 +182,8 @@ class ZeroMuon(torch.optim.Optimizer):
 
     def _open_store(self, store, cfg: StoreConfig) -> None:
         self.prefix = f"rank{self.store_rank}/"
-        needed = sum(-(-nb // 4096) * 4096 for name, (dt, n) in self.layout.arrays.items()
-                     for nb in _bucket_bytes(n, dt, cfg.bucket_bytes))
+        needed = sum(-(-nb // 4096) * 4096 for a in self.layout.arrays.values()
+                     for nb in _bucket_bytes(a.numel, a.dtype.torch, cfg.bucket_bytes))
         if store is None:
             cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, 4096)})
         if self.device.type == "cuda" and not isinstance(store, TieredStore) and cfg.gpu_budget == 0:
@@ -193,8 +208,8 @@ class ZeroMuon(torch.optim.Optimizer):
         try:
             spare = self._check_budget(cfg, needed)
             homes = {}
-            for name, (dtype, numel) in self.layout.arrays.items():
-                homes[name] = self.store.register(self.array_name(name), dtype, numel).home
+            for name, a in self.layout.arrays.items():
+                homes[name] = self.store.register(self.array_name(name), a.dtype.torch, a.numel).home
             # short last buckets of NVMe arrays stay acquired when the pool has room for them
             for n, b in kept_tails(self.layout, homes, spare):
                 self._pinned.append(self.store.keep(self.array_name(n), b))
@@ -223,14 +238,6 @@ class ZeroMuon(torch.optim.Optimizer):
 
     def array_name(self, name: str) -> str:
         return self.prefix + name
-
-    def scratch(self, what: str, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """A preallocated buffer of ``n`` elements (sized once for the longest segment)."""
-        buf = self._scratch.get((what, dtype))
-        if buf is None:
-            buf = self._scratch[(what, dtype)] = torch.empty(max(self._max_segment, 1), dtype=dtype,
-                                                               device=self.device)
-        return buf[:n]
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -272,12 +279,12 @@ class ZeroMuon(torch.optim.Optimizer):
         ctx = StepContext(reverse, active, active - self._initialized, params_flat, grads_flat, steps,
                           Leases(self.layout.uses()))
         pipe = MuonPipeline(self._runner, ctx)
-        chunks = self.layout.chunks[::-1] if reverse else self.layout.chunks
-        for chunk in chunks:
-            if chunk.kind == "muon":
-                pipe.push(chunk)
+        bundles = self.layout.bundles[::-1] if reverse else self.layout.bundles
+        for bundle in bundles:
+            if bundle.kind == "muon":
+                pipe.push(bundle)
             else:
-                self._runner.adamw_chunk(chunk, ctx)
+                self._runner.adamw_bundle(bundle, ctx)
                 pipe.advance()
         pipe.drain()
         assert ctx.leases.pending() == 0, "a shared bucket was not released"

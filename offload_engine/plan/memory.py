@@ -21,34 +21,23 @@ import bisect
 import json
 from dataclasses import dataclass, field
 
-import torch
-
-from ..io.align import round_up
 from .. import dtypes
+from ..dtypes import BFLOAT16, FLOAT32, DType
+from ..io.align import round_up
 from ..layout.group import group_doc
-from ..layout.manifest import MANIFEST_VERSION, SHARDS, fsdp_rows
+from ..layout.manifest import MANIFEST_VERSION, SHARDS, STORE_FORMAT, fsdp_rows
 from ..layout.metadata import compact_json, new_array_doc
-from ..optim.manifest import manifest_tables
+from ..optim.muon_defaults import DEFAULT_NS_STEPS
 from ..optim.owners import assign_owners
-from ..optim.param_rules import default_use_muon
-from ..optim.pipeline import SLOTS
-from ..optim.sharding import ParamInfo
-from ..optim.state_layout import EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MOMENTUM, build_layout
+from ..optim.param_rules import use_muon_for
+from ..optim.params import ParamInfo
+from ..optim.state_layout import ArrayKey, StateKind, build_layout
+from ..optim.step_events import SLOTS
+from ..optim.store_manifest import manifest_tables
+from ..units import MiB
 from .model_shapes import ModelShapes
 
-MiB = 1 << 20
-BF16 = 2
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-
-
-_ITEMSIZE: dict = {}
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    if dtype not in _ITEMSIZE:
-        _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
-    return _ITEMSIZE[dtype]
+BF16 = BFLOAT16.itemsize  # bytes of an exchanged element
 
 
 @dataclass(frozen=True)
@@ -57,14 +46,18 @@ class PlanOptions:
 
     world_size: int
     gpus_per_node: int = 8
-    param_dtype: torch.dtype = torch.bfloat16
+    param_dtype: DType = BFLOAT16
     master_weights: bool = False          # fp32 masters (and fp32 state) in the store
     bucket_bytes: int = 64 * MiB
     prefetch_depth: int = 2
     device: str = "cuda"                  # where parameters (and the optimizer) live: cuda|cpu
     gpu: bool = True                      # a GPU computes (FSDP2 gathers units onto it)
     amsgrad: bool = False
-    ns_steps: int = 5
+    ns_steps: int = DEFAULT_NS_STEPS
+
+    def __post_init__(self):
+        # any spelling dtypes.dtype takes (a torch dtype from a test, "bf16" from the CLI)
+        object.__setattr__(self, "param_dtype", dtypes.dtype(self.param_dtype))
 
     @property
     def ranks_per_node(self) -> int:
@@ -80,8 +73,7 @@ class PlanOptions:
 # ----------------------------------------------------------------------------------------------
 def classify(model: ModelShapes) -> list[str]:
     """"muon" or "adamw" per tensor, by the optimizer's own default rule."""
-    return ["muon" if default_use_muon(t.name, torch.empty(t.shape, device="meta")) else "adamw"
-            for t in model.tensors]
+    return ["muon" if use_muon_for(t.name, len(t.shape)) else "adamw" for t in model.tensors]
 
 
 def shard_rows(rows: int, world: int) -> list[int]:
@@ -111,7 +103,7 @@ def param_infos(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
     """ParamInfos in ZeroMuon's order (its groups: Muon parameters, then AdamW ones).
 
     ``rows_per_rank[j]`` holds the rows of rank ``ranks[j]`` (default: every rank). Giving one
-    rank per group of identical ranks lays out the same chunks: ``build_layout`` only takes
+    rank per group of identical ranks lays out the same bundles: ``build_layout`` only takes
     maxima over ranks.
     """
     kinds = kinds or classify(model)
@@ -142,15 +134,23 @@ def param_infos(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
 class ArrayPlan:
     """One flat store array of one rank."""
 
-    name: str             # without the rank prefix, as ZeroMuon's layout names it
-    dtype: torch.dtype
+    key: ArrayKey         # what it holds, in which dtype (ZeroMuon's layout's key)
     numel: int
     bucket_bytes: int     # the store's bucket_bytes
     home: str = "nvme"
 
     @property
+    def name(self) -> str:
+        """Without the rank prefix, as ZeroMuon's layout names it."""
+        return self.key.name
+
+    @property
+    def dtype(self) -> DType:
+        return self.key.dtype
+
+    @property
     def itemsize(self) -> int:
-        return itemsize(self.dtype)
+        return self.key.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -188,19 +188,14 @@ class ArrayPlan:
 
     def metadata_bytes(self) -> int:
         """Size of the array's zarr.json as FlatArray writes it."""
-        element = dtypes.dtype(self.dtype)
-        doc = new_array_doc(self.numel, element, self.chunk_bytes // self.itemsize,
+        doc = new_array_doc(self.numel, self.dtype, self.chunk_bytes // self.itemsize,
                             {"offload_engine": {"home": "nvme"}}, "element")
         return len(json.dumps(doc, indent=2, allow_nan=False)) + 1
 
     @property
     def kind(self) -> str:
-        for prefix, kind in ((MOMENTUM, "momentum"), (EXP_AVG_SQ, "exp_avg_sq"),
-                             (MAX_EXP_AVG_SQ, "max_exp_avg_sq"), (EXP_AVG, "exp_avg"),
-                             (MASTER, "master")):
-            if self.name.startswith(prefix):
-                return kind
-        return self.name
+        """"momentum", "exp_avg", "exp_avg_sq", "max_exp_avg_sq" or "master"."""
+        return self.key.kind.name.lower()
 
 
 @dataclass
@@ -226,9 +221,9 @@ class RankState:
 
 
 def rank_layout(infos: list[ParamInfo], rank: int, opts: PlanOptions):
-    master_for = lambda i: opts.master_weights and i.dtype != torch.float32
+    master_for = lambda i: opts.master_weights and dtypes.dtype(i.dtype) != FLOAT32
     return build_layout(infos, rank, opts.bucket_bytes, master_for=master_for,
-                        state_dtype_of=lambda i: torch.float32 if master_for(i) else i.dtype,
+                        state_dtype_of=lambda i: FLOAT32 if master_for(i) else i.dtype,
                         amsgrad_of=lambda i: i.kind == "adamw" and opts.amsgrad)
 
 
@@ -244,14 +239,14 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
     for j, start in enumerate(starts):
         gi = j if world > 1 else 0
         layout = rank_layout(infos, gi, opts)
-        arrays = {n: ArrayPlan(n, dt, k, opts.bucket_bytes) for n, (dt, k) in layout.arrays.items()}
+        arrays = {n: ArrayPlan(a.key, a.numel, opts.bucket_bytes) for n, a in layout.arrays.items()}
         g = {"layout": layout, "arrays": arrays,
              "n": [sum(i.local_numel(gi) for i in infos if kind in (None, i.kind))
                    for kind in (None, "muon", "adamw")],
-             "max_segment": max((s.hi - s.lo for c in layout.chunks for row in c.rows
+             "max_segment": max((s.hi - s.lo for c in layout.bundles for row in c.rows
                                  for s in row.segments), default=0),
              "send_max": 0, "dist_local": 0}
-        for c in layout.chunks:
+        for c in layout.bundles:
             if c.kind != "muon":
                 continue
             ps = [infos[p] for p in c.params]
@@ -265,8 +260,8 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
 
     # owners: chosen once from shapes, the same on every rank (ZeroMuon's call)
     probe = groups[0]["layout"]
-    dist_chunks = [c for c in probe.chunks if c.kind == "muon" and c.distributed and world > 1]
-    owners = assign_owners([[infos[p].shape for p in c.params] for c in dist_chunks], world,
+    exchanged = [c for c in probe.bundles if c.kind == "muon" and c.distributed and world > 1]
+    owners = assign_owners([[infos[p].shape for p in c.params] for c in exchanged], world,
                            opts.ns_steps)
     own_local = [0] * world      # elements of its own matrices a rank holds itself
     own_numel = [0] * world      # elements of the matrices it orthogonalizes
@@ -274,7 +269,7 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
     ns_numel = [0] * world
     ns_dim = [0] * world
     owned_count = [0] * world
-    for c, os_ in zip(dist_chunks, owners):
+    for c, os_ in zip(exchanged, owners):
         per_chunk: dict[int, int] = {}
         for p, o in zip(c.params, os_):
             i = infos[p]
@@ -286,7 +281,7 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
             ns_dim[o] = max(ns_dim[o], min(i.rows, i.row_numel))
         for o, n in per_chunk.items():
             recv_max[o] = max(recv_max[o], n)
-    local_muon = [(i.rows, i.row_numel) for c in probe.chunks if c.kind == "muon"
+    local_muon = [(i.rows, i.row_numel) for c in probe.bundles if c.kind == "muon"
                   and not (c.distributed and world > 1) for i in (infos[p] for p in c.params)]
 
     out = []
@@ -295,12 +290,12 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
         st = RankState(r, g["layout"], g["arrays"], local_numel=g["n"][0], local_muon=g["n"][1],
                        local_adamw=g["n"][2], send_max=g["send_max"], max_segment=g["max_segment"],
                        infos=infos)
-        if dist_chunks:
+        if exchanged:
             st.recv_max = recv_max[r]
             # U to the owners and O back, bf16, a rank's own block excluded
             moved = (g["dist_local"] - own_local[r]) + (own_numel[r] - own_local[r])
             st.a2a_sent = st.a2a_received = BF16 * moved
-            st.a2a_calls = 2 * len(dist_chunks)
+            st.a2a_calls = 2 * len(exchanged)
             st.ns_max_numel, st.ns_max_min_dim = ns_numel[r], ns_dim[r]
             st.ns_owned = owned_count[r]
         if local_muon:
@@ -323,14 +318,14 @@ def compute_bytes(st: RankState, model: ModelShapes, opts: PlanOptions, gpu_budg
     activations sit on the GPU when there is one; the store's staging arena on the GPU when
     the optimizer runs there.
     """
-    p = itemsize(opts.param_dtype)
+    p = opts.param_dtype.itemsize
     unit = max(model.units().values(), default=0)
     seg = max(st.max_segment, 1)
-    master = opts.master_weights and opts.param_dtype != torch.float32
+    master = opts.master_weights and opts.param_dtype != FLOAT32
     scratch = 0
     if any(a.kind == "momentum" for a in st.arrays.values()):
         mom = next(a.dtype for a in st.arrays.values() if a.kind == "momentum")
-        scratch += seg * itemsize(mom)                       # "u": the Nesterov input
+        scratch += seg * mom.itemsize                        # "u": the Nesterov input
     if any(a.kind == "exp_avg" for a in st.arrays.values()):
         scratch += seg * (4 if master else p)                # "denom"
     if master and st.arrays:
@@ -360,8 +355,8 @@ def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
     (the manifest as TieredStore writes it, compact, with ZeroMuon's tensor table from
     ``tables`` = ``rank_tables(...)`` merged into it) and the shard table in
     ``rank{r}/zarr.json``."""
-    attrs = {"format": "offload-engine-store", "format_version": MANIFEST_VERSION,
-             "arrays": {f"rank0/{a.name}": {"dtype": dtypes.dtype(a.dtype).name,
+    attrs = {"format": STORE_FORMAT, "format_version": MANIFEST_VERSION,
+             "arrays": {f"rank0/{a.name}": {"dtype": a.dtype.name,
                                             "numel": a.numel, "home": "nvme",
                                             "bucket_elems": a.bucket_elems} for a in arrays},
              "stripes": stripes}

@@ -21,14 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 
-# safetensors dtype names -> ours (zarr names, as docs/format.md uses them)
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
-              "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64",
-              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-_MAX_HEADER = 100 * 1000 * 1000  # the safetensors crate's own cap
+from ..formats.errors import FormatError
+from ..formats.safetensors import read_header
+
 # an FSDP2 unit: one block of a layer stack (fully_shard is applied per block)
 _BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|layer)\.\d+)\.")
 
@@ -298,43 +295,16 @@ FAMILIES = {
 # --------------------------------------------------------------------------------------------
 # safetensors headers
 # --------------------------------------------------------------------------------------------
-def read_safetensors_header(path: str) -> dict:
-    """The JSON header of a safetensors file: only the first 8 + N bytes are read."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ModelInputError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER:
-                raise ModelInputError(f"{path}: not a safetensors file (header length {n} "
-                                      f"exceeds {_MAX_HEADER} bytes)")
-            raw = f.read(n)
-    except OSError as e:
-        raise ModelInputError(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(raw) < n:
-        raise ModelInputError(f"{path}: safetensors header cut short ({len(raw)} of {n} bytes)")
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelInputError(f"{path}: safetensors header is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise ModelInputError(f"{path}: safetensors header is not a JSON object")
-    return doc
-
-
 def from_safetensors(paths: list[str], name: str, source: str) -> ModelShapes:
+    """Shapes and dtypes from the headers of safetensors files (the one header codec,
+    ``formats.safetensors``; only the first 8 + N bytes of each file are read)."""
     tensors = []
     for path in paths:
-        for key, info in read_safetensors_header(path).items():
-            if key == "__metadata__":
-                continue
-            try:
-                shape = tuple(int(d) for d in info["shape"])
-                dtype = _ST_DTYPES.get(info["dtype"], str(info["dtype"]).lower())
-            except (KeyError, TypeError, ValueError):
-                raise ModelInputError(f"{path}: tensor {key!r} has no valid shape/dtype") from None
-            tensors.append(Tensor(key, shape, dtype))
+        try:
+            entries, _, _ = read_header(path, check_data=False)
+        except FormatError as e:
+            raise ModelInputError(str(e)) from None
+        tensors += [Tensor(key, e.shape, e.dtype.name) for key, e in entries.items()]
     if not tensors:
         raise ModelInputError(f"{source}: no tensors in the safetensors header(s)")
     return ModelShapes(name, "safetensors", tensors, source,

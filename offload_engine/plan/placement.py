@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..io.align import round_up
+from ..units import GiB
 from ..optim.step_events import working_buckets  # ZeroMuon's own bound; planner imports it here
 from .memory import RankState
 
-GiB = 1 << 30
 HOST_PER_RANK = 4 * GiB        # pageable memory of one training process (torch, CUDA host side)
 OS_FRACTION = 0.10             # of the node's memory, left to the OS and page cache
 GPU_RESERVE_MIN = 1 * GiB      # CUDA context and allocator slack

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from ..dtypes import FLOAT32
 from ..io.align import round_up
 from ..store import StoreConfig
+from ..units import MiB
 from . import deepspeed_compat
-from .memory import (PlanOptions, RankState, classify, compute_bytes, itemsize,
+from .memory import (PlanOptions, RankState, classify, compute_bytes,
                      rank_states, rank_tables, store_metadata_bytes)
 from .model_shapes import ModelShapes
 from .placement import (HOST_PER_RANK, OS_FRACTION, Placement, TierVerdict, binding,
@@ -24,7 +24,6 @@ from .traffic import drive_writes_per_day, io_seconds, step_io
 
 FORMAT = "offload-engine-plan"
 FORMAT_VERSION = 1
-MiB = 1 << 20
 DEFAULT_IO = {"block_size": 8 * MiB, "queue_depth": 8, "io_threads": 8}  # StoreConfig defaults
 NVME_PLACEHOLDER = "NVME_DIR"
 
@@ -121,7 +120,7 @@ def build_plan(model: ModelShapes, opts: PlanOptions, machine: Machine,
                    "nvme_paths": list(machine.nvme_paths),
                    "nvme_capacity_bytes_per_node": machine.nvme_capacity,
                    "optimizer": optimizer, "master_weights": opts.master_weights,
-                   "param_dtype": str(opts.param_dtype).removeprefix("torch."),
+                   "param_dtype": opts.param_dtype.name,
                    "device": opts.device, "gpu": opts.gpu, "bucket_bytes": opts.bucket_bytes,
                    "prefetch_depth": opts.prefetch_depth},
         "per_rank": {**per_rank[gpu_rank], "state": _state_summary(states[gpu_rank], homes)},
@@ -160,15 +159,15 @@ def smallest_world_size(model, opts: PlanOptions, machine: Machine, workload=Non
     full. None: nothing up to ``limit`` ranks (or within those evaluations) fits.
     """
     kinds = kinds or kinds_for(model, optimizer)
-    p = itemsize(opts.param_dtype)
+    p = opts.param_dtype.itemsize
     n_all = model.numel
     unit = max(model.units().values(), default=0)
     muon = [t for t, k in zip(model.tensors, kinds) if k == "muon"]
     big = max(muon, key=lambda t: t.numel, default=None)
     ns_min = 0 if big is None else 4 * big.numel + 4 * min(big.shape) ** 2
-    sb = 4 if opts.master_weights and opts.param_dtype != torch.float32 else p
+    sb = 4 if opts.master_weights and opts.param_dtype != FLOAT32 else p
     state = sum(t.numel * (sb if k == "muon" else 2 * sb) for t, k in zip(model.tensors, kinds))
-    if opts.master_weights and opts.param_dtype != torch.float32:
+    if opts.master_weights and opts.param_dtype != FLOAT32:
         state += 4 * n_all
     cpu_cap = machine.cpu_mem * (1 - OS_FRACTION)
     gpu_cap = usable_gpu(machine.gpu_mem)
@@ -321,12 +320,12 @@ def _model_summary(model: ModelShapes, kinds, st: RankState, opts: PlanOptions) 
 def _state_summary(st: RankState, homes) -> dict:
     by_kind: dict[str, dict] = {}
     logical: dict[str, int] = {}
-    for c in st.layout.chunks:
+    for c in st.layout.bundles:
         for name in c.arrays:
             logical[name] = logical.get(name, 0) + c.local_numel
     arrays = {}
     for name, a in st.arrays.items():
-        arrays[name] = {"dtype": str(a.dtype).removeprefix("torch."), "numel": a.numel,
+        arrays[name] = {"dtype": a.dtype.name, "numel": a.numel,
                         "bytes": a.nbytes, "logical_bytes": logical.get(name, 0) * a.itemsize,
                         "buckets": len(a.buckets()), "home": homes[name]}
         k = by_kind.setdefault(a.kind, {"bytes": 0, "logical_bytes": 0})
@@ -351,9 +350,9 @@ def _deepspeed(model, opts, states, per_rank, node, kinds) -> dict:
     if all(k == "adamw" for k in kinds):
         st = states[0]
         node_state = sum(c.local_numel * s.arrays[n].itemsize for s in states[:opts.ranks_per_node]
-                         for c in s.layout.chunks for n in c.arrays)
+                         for c in s.layout.bundles for n in c.arrays)
         node_padded = sum(a.nbytes for s in states[:opts.ranks_per_node] for a in s.arrays.values())
-        p = itemsize(opts.param_dtype)
+        p = opts.param_dtype.itemsize
         out["adamw_comparison"] = deepspeed_compat.ours_vs_deepspeed(
             P, L, opts.ranks_per_node, opts.nodes, node_state, 2 * p * st.local_numel,
             2 * p * max(model.units().values(), default=0))

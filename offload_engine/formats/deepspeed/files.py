@@ -16,10 +16,13 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..errors import FormatError
+from ..latest import LATEST, read_latest
+
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-class DeepSpeedLayoutError(ValueError):
+class DeepSpeedLayoutError(FormatError):
     """The checkpoint folder is not a complete ZeRO checkpoint; the message names the path."""
 
 
@@ -29,18 +32,12 @@ def resolve_tag_dir(root: str, tag: str | None) -> tuple[str, str]:
     if not os.path.isdir(root):
         raise DeepSpeedLayoutError(f"{root}: checkpoint folder not found")
     if tag is None:
-        latest = os.path.join(root, "latest")
-        try:
-            with open(latest, encoding="utf-8") as f:
-                tag = f.read().strip()
-        except FileNotFoundError:
+        latest = os.path.join(root, LATEST)
+        if not os.path.exists(latest):
             tags = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
             hint = f" (tag folders here: {', '.join(tags)})" if tags else ""
-            raise DeepSpeedLayoutError(f"{latest}: no 'latest' file; pass --tag{hint}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise DeepSpeedLayoutError(f"{latest}: unreadable ({e})") from None
-        if not tag:
-            raise DeepSpeedLayoutError(f"{latest}: file is empty; pass --tag")
+            raise DeepSpeedLayoutError(f"{latest}: no 'latest' file; pass --tag{hint}")
+        tag = read_latest(root, DeepSpeedLayoutError)
     tag_dir = os.path.join(root, tag)
     if not os.path.isdir(tag_dir):
         raise DeepSpeedLayoutError(f"{tag_dir}: tag folder {tag!r} not found")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 
-class LayoutError(ValueError):
+class PartitionError(ValueError):
     """The partition sizes do not add up to the parameter shapes (wrong or mixed files)."""
 
 
@@ -43,7 +43,7 @@ def split_concat(start: int, count: int, lengths: Sequence[int]) -> list[tuple[i
     """Cut the range ``[start, start + count)`` of a virtual concatenation of parts of
     ``lengths`` into per-part runs ``(part index, offset in part, offset in range, count)``.
 
-    Raises LayoutError when the range runs past the end of the concatenation.
+    Raises PartitionError when the range runs past the end of the concatenation.
     """
     runs = []
     part_start = 0
@@ -58,7 +58,7 @@ def split_concat(start: int, count: int, lengths: Sequence[int]) -> list[tuple[i
         if pos >= end:
             break
     if pos < end:
-        raise LayoutError(f"elements [{start}, {end}) reach past the {part_start} elements available")
+        raise PartitionError(f"elements [{start}, {end}) reach past the {part_start} elements available")
     return runs
 
 
@@ -91,18 +91,18 @@ def zero12_layout(group_params: Sequence[Sequence[tuple[str, int]]],
         avail = sum(n for _, n in parts)
         pads = param_paddings[g] if param_paddings is not None else [0] * len(params)
         if len(pads) != len(params):
-            raise LayoutError(f"param group {g}: {len(pads)} alignment paddings for {len(params)} parameters")
+            raise PartitionError(f"param group {g}: {len(pads)} alignment paddings for {len(params)} parameters")
         offset = 0
         for (name, numel), pad in zip(params, pads):
             if offset + numel > avail:
-                raise LayoutError(f"param group {g}: {name} needs elements up to {offset + numel}, "
+                raise PartitionError(f"param group {g}: {name} needs elements up to {offset + numel}, "
                                   f"but the {world_size} rank partitions hold {avail}")
             out[name] = concat_pieces(offset, numel, parts)
             offset += numel + pad
         # DeepSpeed pads each group to a multiple of 2*world_size; what remains may differ
         # from what was consumed only within that alignment (zero_to_fp32's own check).
         if math.ceil(offset / align) != math.ceil(avail / align):
-            raise LayoutError(f"param group {g}: parameters consume {offset} elements but the rank "
+            raise PartitionError(f"param group {g}: parameters consume {offset} elements but the rank "
                               f"partitions hold {avail} (not within the {align}-element alignment)")
     return out
 
@@ -130,15 +130,15 @@ def zero3_layout(params: Sequence[tuple[str, int]],
                 continue  # this rank holds only padding of this parameter
             try:
                 runs = concat_pieces(offset, hi - lo, parts_by_rank[r])
-            except LayoutError:
-                raise LayoutError(f"rank {r}: {name} needs flat elements up to {offset + hi - lo}, but "
+            except PartitionError:
+                raise PartitionError(f"rank {r}: {name} needs flat elements up to {offset + hi - lo}, but "
                                   f"its fp32 groups hold {sum(group_numels[r])}") from None
             pieces += [Piece(lo + p.start, p.count, p.src, p.src_offset) for p in runs]
         out[name] = pieces
         offset += per_rank
     for r in range(world_size):
         if offset != sum(group_numels[r]):
-            raise LayoutError(f"rank {r}: parameters consume {offset} elements of each rank's flat "
+            raise PartitionError(f"rank {r}: parameters consume {offset} elements of each rank's flat "
                               f"buffer but its fp32 groups hold {sum(group_numels[r])}")
     return out
 

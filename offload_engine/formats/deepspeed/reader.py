@@ -1,27 +1,43 @@
 """A DeepSpeed ZeRO-1/2/3 checkpoint as a ``TensorSource``, without importing deepspeed.
 
-What is read: the pickled structure of every rank file (``safe_unpickler``, no storage
-bytes), then, on demand, only byte ranges of the fp32 master partitions
-(``single_partition_of_fp32_groups`` / ``fp32_flat_groups``), of the frozen parameter
-fragments and of the buffers. The Adam moments are never read: their storage records are
-passed to the reader as forbidden spans, and the reader only reads the ranges of the
-records listed above (plus holes between them that hold no other record).
+What is read: the pickled structure of every rank file (``safe_unpickler``: no storage
+bytes, no code run), then, on demand, byte ranges of the records that hold what a request
+asks for. Tensors come out in zero_to_fp32's key order: buffers, frozen parameters,
+trainable parameters; tied names (``shared_params``) are aliases of their owner.
 
-Tensors come out in zero_to_fp32's key order: buffers, frozen parameters, trainable
-parameters; tied names (``shared_params``) are aliases of their owner.
+States: a trainable parameter has ``master`` (its fp32 master weights, in
+``single_partition_of_fp32_groups`` for ZeRO-1/2 or ``fp32_flat_groups`` for ZeRO-3) and,
+where the files hold them for every partition, the Adam moments ``exp_avg`` and
+``exp_avg_sq``: in every rank file the moments of param group (ZeRO-1/2) or sub-group
+(ZeRO-3) ``g`` are flat tensors that cover that group's fp32 partition element for element
+(a last rank's moments keep the tail padding its saved partition drops), so a parameter's
+moment lies at the same elements of ``state[g]["exp_avg"]`` as its master weights in the
+partition. Frozen parameters (ZeRO-3 fragments, or ZeRO-1/2 module entries) and buffers
+have ``param``.
+
+Where the moments are (DeepSpeed 0.19): ZeRO-1/2 ``optimizer_state_dict
+["base_optimizer_state"]`` is ``{"state": {g: {...}}, "param_groups": [...]}`` (older
+releases: one dict per group); ZeRO-3 ``optimizer_state_dict["optimizer_state_dict"]``.
+
+A read only touches records of the states it asks for: the reader merges neighbouring
+ranges across small holes, but never across a record of another state, so consolidating
+(master weights only) never reads a byte of the Adam moments.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
-from offload_engine.io.align import as_byte_view
-
-from ..consolidate import ReadRequest, TensorInfo
+from ...dtypes import DType
+from ...io.align import as_byte_view
 from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt
+from ..source import ReadRequest, SourceBase, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
-from .layout import LayoutError, Piece, fragments_layout, zero3_layout, zero12_layout
+from .partitions import Piece, PartitionError, fragments_layout, zero3_layout, zero12_layout
 from .scatter_read import ScatterReader, Segment, segment_wants
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _as_int(value, what: str, path: str) -> int:
@@ -49,17 +65,37 @@ def _tensor_list(pt: PtFile, container: dict, key: str) -> list[TensorRef]:
     return list(refs)
 
 
-class DeepSpeedSource:
+def _inner_state(osd: dict, stage: int):
+    """The wrapped torch optimizer's state dict: (state {index: {name: ref}}, param_groups)."""
+    base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
+    if isinstance(base, dict):
+        state = base.get("state")
+        return (state if isinstance(state, dict) else {}), base.get("param_groups") or []
+    if isinstance(base, (list, tuple)):  # older ZeRO-1/2: one state dict per group
+        return {g: s for g, s in enumerate(base) if isinstance(s, dict)}, []
+    return {}, []
+
+
+def _optimizer_kind(param_groups, has_second_moment: bool) -> str | None:
+    if not has_second_moment:
+        return None
+    for g in param_groups or []:
+        if isinstance(g, dict) and g.get("decoupled_weight_decay"):
+            return "adamw"
+    return "adam"
+
+
+class DeepSpeedSource(SourceBase):
     """Tensors of a DeepSpeed checkpoint folder, read lazily by element range.
 
     Args:
         root: the checkpoint folder (holding ``latest`` and the tag folders).
         tag: the tag folder to read; default: the content of ``latest``.
-        exclude_frozen: leave out parameters without gradient.
         threads: reads in flight at once (pieces of up to 8 MiB, from any of the files).
     """
 
-    def __init__(self, root: str, tag: str | None = None, exclude_frozen: bool = False, threads: int = 8):
+    def __init__(self, root: str, tag: str | None = None, threads: int = 8):
+        self.root = os.path.abspath(root)
         self.tag, self.tag_dir = resolve_tag_dir(root, tag)
         optim = find_optim_files(self.tag_dir)
         if 0 not in optim.by_rank:
@@ -86,54 +122,81 @@ class DeepSpeedSource:
             raise DeepSpeedLayoutError(f"{self._models[0].path}: not a DeepSpeed model states file "
                                        f"(no 'param_shapes' / 'module')")
         self.ds_version = model0.get("ds_version")
+        self.global_steps = model0.get("global_steps")
         if model0.get("ds_autoep_layers") or model0.get("autoep_layers"):
             # expert parameters are partitioned over expert groups, not the data-parallel
             # world: merging them like the rest would give wrong tensors
             raise DeepSpeedLayoutError(f"{self._models[0].path}: expert-parallel (AutoEP) "
                                        f"checkpoints are not supported")
 
-        self._infos: list[TensorInfo] = []
-        self._segments: dict[str, tuple[list[Segment], int]] = {}  # and bytes per element
-        self._used_keys: list[set[str]] = [set() for _ in self._files]
+        self._tensors: list[TensorMeta] = []
+        # (tensor, state) -> (segments sorted by start, bytes per element)
+        self._segments: dict[tuple[str, str], tuple[list[Segment], int]] = {}
+        self._used: dict[str, list[set[str]]] = {}  # state -> per file, storage keys it reads
+        self._forbidden: dict[frozenset, list] = {}
+        self.optimizer: str | None = None
+        self.hyperparams: list[dict] = []
         self._add_buffers(model0)
-        if not exclude_frozen:
-            self._add_frozen(model0)
+        self._add_frozen(model0)
         self._add_trainable(model0)
-        names = {i.name for i in self._infos}
+        names = {t.name for t in self._tensors}
         shared = model0.get("shared_params") or {}
         self._aliases = {a: o for a, o in shared.items() if o in names and a not in names}
         # not capped at the file count: the reader cuts long runs into pieces read in parallel
-        self._reader = ScatterReader([pt.path for pt in self._files], self._forbidden_spans(),
-                                     threads=threads)
+        self._reader = ScatterReader([pt.path for pt in self._files], threads=threads)
+        self.info = SourceInfo(
+            kind="deepspeed", path=self.root,
+            format=f"DeepSpeed ZeRO-{self.stage}" + (" bf16" if self.bf16 else "")
+            + f", deepspeed {self.ds_version}",
+            step=self.global_steps if type(self.global_steps) is int else None,
+            generation=self.tag, world_size=self.world_size,
+            files=[(pt.path, os.path.getsize(pt.path)) for pt in sorted(self._files, key=lambda f: f.path)])
+        if self._tensors and not any("exp_avg" in t.states for t in self._tensors):
+            self.info.notes.append("no Adam moments in the optimizer files")
 
     # -- building the tensor list ----------------------------------------------------------
-    def _add(self, name: str, shape, kind: str, pieces: list[Piece], refs: dict, home: PtFile) -> None:
-        """Register a tensor made of ``pieces``; ``refs`` maps a piece's source key to
-        (file index, TensorRef)."""
-        if name in self._segments:
+    def _segments_of(self, name: str, state: str, pieces: list[Piece], refs: dict,
+                     home: PtFile) -> tuple[DType, dict]:
+        """Record where ``state`` of tensor ``name`` lies (``pieces`` of the source tensors
+        ``refs``: key -> (file index, TensorRef)); returns its dtype and bytes per rank."""
+        if (name, state) in self._segments:
             raise DeepSpeedLayoutError(f"{home.path}: tensor {name!r} is listed twice")
-        shape = tuple(int(s) for s in shape)
         dtypes = {refs[p.src][1].dtype for p in pieces}
         if len(dtypes) > 1:
-            raise DeepSpeedLayoutError(f"{home.path}: {name} is stored in mixed dtypes {dtypes}")
+            raise DeepSpeedLayoutError(f"{home.path}: {name} is stored in mixed dtypes "
+                                       f"{sorted(map(str, dtypes))}")
         dtype = dtypes.pop() if dtypes else next(iter(refs.values()))[1].dtype
-        itemsize = dtype.itemsize
-        segments = []
+        size = dtype.itemsize
+        used = self._used.setdefault(state, [set() for _ in self._files])
+        segments, per_rank = [], {}
         for p in pieces:
             file, ref = refs[p.src]
             pt = self._files[file]
             if p.src_offset + p.count > ref.numel:
                 raise DeepSpeedLayoutError(f"{pt.path}: {name} needs elements past the end of its "
-                                           f"{ref.numel}-element partition (corrupt or mixed files)")
+                                           f"{ref.numel}-element {state} partition (corrupt or "
+                                           f"mixed files)")
             base, _ = pt.tensor_span(ref)
-            segments.append(Segment(p.start, p.count, file, base + p.src_offset * itemsize))
-            self._used_keys[file].add(ref.storage.key)
+            segments.append(Segment(p.start, p.count, file, base + p.src_offset * size))
+            used[file].add(ref.storage.key)
+            rank = file if file < len(self._optims) else file - len(self._optims)
+            per_rank[rank] = per_rank.get(rank, 0) + p.count * size
         segments.sort(key=lambda s: s.start)
-        self._segments[name] = (segments, itemsize)
-        self._infos.append(TensorInfo(name, shape, dtype, kind))
+        self._segments[(name, state)] = (segments, size)
+        return dtype, per_rank
 
     def _model_index(self, rank: int) -> int:
         return len(self._optims) + rank
+
+    def _add_whole(self, name: str, shape, kind: str, pieces, refs, home: PtFile) -> None:
+        """A buffer or frozen parameter: one state, ``param``, listed as unsharded (ZeRO-3
+        fragments included: no optimizer partitions them)."""
+        dtype, per_rank = self._segments_of(name, "param", pieces, refs, home)
+        shape = tuple(int(s) for s in shape)
+        self._tensors.append(TensorMeta(name, shape, dtype, None,
+                                        {"param": StateMeta(dtype, math.prod(shape),
+                                                            {None: sum(per_rank.values())})},
+                                        kind=kind))
 
     def _add_buffers(self, model0: dict) -> None:
         module = model0["module"]
@@ -142,16 +205,15 @@ class DeepSpeedSource:
             ref = module.get(name)
             if not isinstance(ref, TensorRef):
                 raise DeepSpeedLayoutError(f"{home.path}: buffer {name!r} missing from 'module'")
-            self._add(name, ref.shape, "buffer", [Piece(0, ref.numel, "b", 0)],
-                      {"b": (self._model_index(0), ref)}, home)
+            self._add_whole(name, ref.shape, "buffer", [Piece(0, ref.numel, "b", 0)],
+                            {"b": (self._model_index(0), ref)}, home)
 
     def _add_frozen(self, model0: dict) -> None:
         shapes = model0.get("frozen_param_shapes")
         if shapes is None and self.stage <= 2:
             self._add_frozen_from_module(model0)
             return
-        shapes = shapes or {}
-        for name, shape in shapes.items():
+        for name, shape in (shapes or {}).items():
             numel = math.prod(shape)
             refs = {}
             for r, model in enumerate(self._models):  # one file for ZeRO-1/2, one per rank for ZeRO-3
@@ -162,9 +224,9 @@ class DeepSpeedSource:
                 refs[r] = (self._model_index(r), ref)
             try:
                 pieces = fragments_layout(numel, [(r, refs[r][1].numel) for r in sorted(refs)])
-            except LayoutError as e:
+            except PartitionError as e:
                 raise DeepSpeedLayoutError(f"{self._models[0].path}: frozen {name}: {e}") from None
-            self._add(name, shape, "frozen", pieces, refs, self._models[0])
+            self._add_whole(name, shape, "frozen", pieces, refs, self._models[0])
 
     def _add_frozen_from_module(self, model0: dict) -> None:
         """ZeRO-1 checkpoints record no ``frozen_param_shapes`` (zero_to_fp32 then drops
@@ -178,82 +240,110 @@ class DeepSpeedSource:
         for name, ref in model0["module"].items():
             if name in skip or not isinstance(ref, TensorRef):
                 continue
-            self._add(name, ref.shape, "frozen", [Piece(0, ref.numel, "f", 0)],
-                      {"f": (self._model_index(0), ref)}, home)
+            self._add_whole(name, ref.shape, "frozen", [Piece(0, ref.numel, "f", 0)],
+                            {"f": (self._model_index(0), ref)}, home)
 
     def _add_trainable(self, model0: dict) -> None:
         groups = model0["param_shapes"]
         if isinstance(groups, dict):
             groups = [groups]
         params = [[(n, math.prod(s)) for n, s in g.items()] for g in groups]
-        shapes = {n: s for g in groups for n, s in g.items()}
+        shapes = {n: tuple(int(d) for d in s) for g in groups for n, s in g.items()}
         key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"
-        flats = [_tensor_list(pt, _optimizer_state(pt), key) for pt in self._optims]
-        refs = {(r, g): (r, ref) for r, lst in enumerate(flats) for g, ref in enumerate(lst)}
+        osds = [_optimizer_state(pt) for pt in self._optims]
+        masters = [_tensor_list(pt, osd, key) for pt, osd in zip(self._optims, osds)]
         home = self._optims[0]
         try:
             if self.stage <= 2:
-                for pt, lst in zip(self._optims, flats):
+                for pt, lst in zip(self._optims, masters):
                     if len(lst) != len(params):
                         raise DeepSpeedLayoutError(f"{pt.path}: {len(lst)} fp32 partitions but the model "
                                                    f"states list {len(params)} param groups")
-                pads = _optimizer_state(home).get("param_alignment_paddings")
+                pads = osds[0].get("param_alignment_paddings")
                 if pads is not None and not any(any(p) for p in pads):
                     pads = None  # all zero: the common case, parameters back to back
-                layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in flats], pads)
+                layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in masters], pads)
             else:
-                merged = [p for g in params for p in g]
-                layout = zero3_layout(merged, [[ref.numel for ref in lst] for lst in flats])
-        except LayoutError as e:
+                layout = zero3_layout([p for g in params for p in g],
+                                      [[ref.numel for ref in lst] for lst in masters])
+        except PartitionError as e:
             raise DeepSpeedLayoutError(f"{self.tag_dir}: ZeRO-{self.stage} partitions do not match the "
                                        f"parameter shapes: {e}") from None
+        refs = {"master": {(r, g): (r, ref) for r, lst in enumerate(masters)
+                           for g, ref in enumerate(lst)}}
+        inner, hyper = [], None
+        for osd in osds:
+            state, param_groups = _inner_state(osd, self.stage)
+            inner.append(state)
+            hyper = hyper or param_groups
+        for moment in MOMENTS:
+            found = {}
+            for r, lst in enumerate(masters):
+                for g, master in enumerate(lst):
+                    ref = (inner[r].get(g) or {}).get(moment)
+                    if isinstance(ref, TensorRef) and ref.numel >= master.numel:
+                        found[(r, g)] = (r, ref)
+            if len(found) == len(refs["master"]):  # every partition has it
+                refs[moment] = found
+        self.optimizer = _optimizer_kind(hyper, "exp_avg_sq" in refs)
+        self.hyperparams = [{k: g.get(k) for k in ("lr", "betas", "eps", "weight_decay")}
+                            for g in hyper or [] if isinstance(g, dict)]
         for name, pieces in layout.items():
-            self._add(name, shapes[name], "param", pieces, refs, home)
+            states = {}
+            for state, by_src in refs.items():
+                dtype, per_rank = self._segments_of(name, state, pieces, by_src, home)
+                states[state] = StateMeta(dtype, math.prod(shapes[name]), per_rank)
+            self._tensors.append(TensorMeta(name, shapes[name], states["master"].dtype,
+                                            self.optimizer, states))
 
-    def _forbidden_spans(self) -> list[list[tuple[int, int]]]:
-        """Per file, the byte spans of storage records no tensor of ours lives in."""
-        out = []
-        for pt, used in zip(self._files, self._used_keys):
-            spans = sorted((s.offset, s.offset + s.nbytes) for k, s in pt.archive.storage_spans().items()
-                           if k not in used and s.nbytes)
-            out.append(spans)
-        return out
+    def _forbidden_for(self, states: frozenset) -> list[list[tuple[int, int]]]:
+        """Per file, the byte spans of storage records no tensor's ``states`` live in: the
+        reader never bridges a hole through them."""
+        spans = self._forbidden.get(states)
+        if spans is None:
+            spans = []
+            for f, pt in enumerate(self._files):
+                used = set().union(*(self._used.get(s, [set()] * len(self._files))[f] for s in states))
+                spans.append(sorted((s.offset, s.offset + s.nbytes)
+                                    for k, s in pt.archive.storage_spans().items()
+                                    if k not in used and s.nbytes))
+            self._forbidden[states] = spans
+        return spans
 
     # -- TensorSource ----------------------------------------------------------------------
-    def tensors(self) -> list[TensorInfo]:
-        return list(self._infos)
+    def tensors(self) -> list[TensorMeta]:
+        return list(self._tensors)
 
     def aliases(self) -> dict[str, str]:
         return dict(self._aliases)
 
     def read(self, requests) -> None:
-        """Fill every request (``out``: a numpy array or a CPU torch tensor of the tensor's
-        dtype), one batch of reads for all."""
-        wants = []
+        """Fill every request, one batch of reads for all (requests of several states
+        may bridge holes only through records of those states)."""
+        wants, states = [], set()
         for req in requests:
-            stored = self._segments.get(req.name)
+            state = req.state or ("master" if (req.name, "master") in self._segments else "param")
+            stored = self._segments.get((req.name, state))
             if stored is None:
-                raise KeyError(f"no tensor {req.name!r} in {self.tag_dir}")
+                if not any(name == req.name for name, _ in self._segments):
+                    raise KeyError(f"no tensor {req.name!r} in {self.tag_dir}")
+                raise KeyError(f"no state {state!r} of tensor {req.name!r} in {self.tag_dir}")
             segments, itemsize = stored
-            wants += segment_wants(segments, req.start, as_byte_view(req.out), itemsize, req.name)
-        self._reader.read(wants)
-
-    def describe(self) -> str:
-        return (f"DeepSpeed ZeRO-{self.stage} checkpoint {self.tag_dir} (world size {self.world_size}"
-                f"{', bf16' if self.bf16 else ''}, deepspeed {self.ds_version})")
+            wants += segment_wants(segments, req.start, as_byte_view(req.out), itemsize,
+                                   f"{req.name}/{state}")
+            states.add(state)
+        self._reader.read(wants, self._forbidden_for(frozenset(states)))
 
     @property
     def reader(self) -> ScatterReader:
         return self._reader
 
+    def describe(self) -> str:
+        return (f"DeepSpeed ZeRO-{self.stage} checkpoint {self.tag_dir} (world size {self.world_size}"
+                f"{', bf16' if self.bf16 else ''}, deepspeed {self.ds_version})")
+
     def close(self) -> None:
         self._reader.close()
 
-    def __enter__(self) -> "DeepSpeedSource":
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-__all__ = ["DeepSpeedSource", "DeepSpeedLayoutError", "CheckpointFileError", "ReadRequest"]
+__all__ = ["CheckpointFileError", "DeepSpeedLayoutError", "DeepSpeedSource", "ReadRequest"]

@@ -5,8 +5,8 @@ back to back (ZeRO keeps parameters in the same order on every rank). Ranges are
 per file and merged into one ``preadv`` whose iovecs scatter the bytes straight to their
 destinations; a small hole between two ranges (ZeRO-3 tail padding, the zip header between
 two storage records) is read into a scratch sink instead of costing another call, but
-only when the hole holds no record outside ``allowed``: bytes of storages the caller did
-not ask for (Adam moments) are never read. Runs are cut into pieces of at most
+only when the hole holds no forbidden record: bytes of storages the caller did not ask for
+(Adam moments, when only master weights are read) are never read. Runs are cut into pieces of at most
 ``max_piece`` bytes, read in parallel: a cold file is read far faster with several
 requests in flight (each gets its own readahead) than by one long ``preadv`` per file
 (cold ZeRO-3 files, 2 ranks, 1 GB: 1.4-1.8 GB/s with 8 threads x 8 MiB pieces against
@@ -24,7 +24,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from offload_engine.io import FileIOError, TruncatedFileError
+from ...io import FileIOError, TruncatedFileError
 
 _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
@@ -80,19 +80,18 @@ class ScatterReader:
     Args:
         paths: the files, numbered by position.
         forbidden: per file, sorted non-overlapping ``(start, end)`` byte spans that must
-            never be read (records of storages nobody asked for).
+            never be read (records of storages nobody asked for); ``read`` may give others.
         max_gap: largest hole (bytes) bridged through the sink inside one ``preadv``.
         threads: parallel pieces in flight.
         max_piece: largest piece (bytes) one ``preadv`` call sequence reads.
         max_open: idle file descriptors kept open.
     """
 
-    def __init__(self, paths: list[str], forbidden: list[list[tuple[int, int]]],
+    def __init__(self, paths: list[str], forbidden: list[list[tuple[int, int]]] | None = None,
                  max_gap: int = 64 * 1024, threads: int = 8, max_open: int = 128,
                  max_piece: int = 8 << 20):
         self.paths = list(paths)
-        self._forbidden_starts = [[s for s, _ in spans] for spans in forbidden]
-        self._forbidden = forbidden
+        self._forbidden = forbidden if forbidden is not None else [[] for _ in self.paths]
         self.max_gap = max_gap
         self.max_piece = max(1, max_piece)
         self._sink = bytearray(max_gap)  # contents never used; concurrent writes are harmless
@@ -107,9 +106,10 @@ class ScatterReader:
         self.trace: list[tuple[int, int, int]] | None = None  # (file, offset, nbytes) when enabled
         self._stats_lock = threading.Lock()
 
-    def read(self, wants: list[Want]) -> None:
-        """Fill every ``dest``; raises FileIOError / TruncatedFileError naming the file."""
-        runs = self._plan(wants)
+    def read(self, wants: list[Want], forbidden: list[list[tuple[int, int]]] | None = None) -> None:
+        """Fill every ``dest``; raises FileIOError / TruncatedFileError naming the file.
+        ``forbidden`` replaces the reader's spans for this call."""
+        runs = self._plan(wants, self._forbidden if forbidden is None else forbidden)
         if len(runs) == 1:
             self._run(*runs[0])
             return
@@ -119,10 +119,10 @@ class ScatterReader:
         for f in futures:
             f.result()
 
-    def _plan(self, wants: list[Want]) -> list[tuple[int, int, list[memoryview]]]:
+    def _plan(self, wants: list[Want], forbidden) -> list[tuple[int, int, list[memoryview]]]:
         """Merge ranges into runs, cut into pieces ``(file, offset, iovecs)`` of at most
         ``max_piece`` bytes."""
-        return [piece for run in self._runs(wants) for piece in self._split(*run)]
+        return [piece for run in self._runs(wants, forbidden) for piece in self._split(*run)]
 
     def _split(self, file: int, offset: int, iov: list[memoryview]) -> list[tuple[int, int, list[memoryview]]]:
         pieces: list[tuple[int, int, list[memoryview]]] = []
@@ -141,7 +141,7 @@ class ScatterReader:
             pieces.append((file, start, cur))
         return pieces
 
-    def _runs(self, wants: list[Want]) -> list[tuple[int, int, list[memoryview]]]:
+    def _runs(self, wants: list[Want], forbidden) -> list[tuple[int, int, list[memoryview]]]:
         """Merge ranges into runs ``(file, offset, iovecs)``."""
         runs: list[tuple[int, int, list[memoryview]]] = []
         ordered = sorted((w for w in wants if len(w.dest)), key=lambda w: (w.file, w.offset))
@@ -149,7 +149,7 @@ class ScatterReader:
         for w in ordered:
             gap = w.offset - cur_end
             if (w.file == cur_file and 0 <= gap <= self.max_gap and len(cur_iov) < _IOV_MAX - 1
-                    and self._gap_allowed(w.file, cur_end, w.offset)):
+                    and _gap_allowed(forbidden[w.file], cur_end, w.offset)):
                 if gap:
                     cur_iov.append(memoryview(self._sink)[:gap])
                 cur_iov.append(w.dest)
@@ -161,15 +161,6 @@ class ScatterReader:
         if cur_iov is not None:
             runs.append((cur_file, cur_start, cur_iov))
         return runs
-
-    def _gap_allowed(self, file: int, start: int, end: int) -> bool:
-        if start == end:
-            return True
-        starts = self._forbidden_starts[file]
-        i = bisect.bisect_left(starts, end)  # spans starting before the hole's end
-        if i == 0:
-            return True
-        return self._forbidden[file][i - 1][1] <= start  # that span ends before the hole
 
     def _acquire_fd(self, file: int) -> int:
         """A descriptor of ``file``, cached; at most ``max_open`` idle ones stay open (a
@@ -244,3 +235,14 @@ class ScatterReader:
                 except OSError:
                     pass
             self._fds.clear()
+
+
+def _gap_allowed(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether bytes ``[start, end)`` of a file touch none of its forbidden ``spans``
+    (sorted, disjoint)."""
+    if start == end:
+        return True
+    i = bisect.bisect_left(spans, (end,))  # spans starting before the hole's end
+    if i == 0:
+        return True
+    return spans[i - 1][1] <= start  # that span ends before the hole

@@ -1,13 +1,17 @@
-"""Live stores and offload-engine checkpoints: a zarr group whose attributes are the
-tensor table, and one shard table per rank (docs/format.md, "Manifest").
+"""Our live stores and checkpoint generations as a ``TensorSource``: a zarr group whose
+attributes are the tensor table, and one shard table per rank (docs/format.md, "Manifest").
 
 Listing reads the group's zarr.json and nothing else (files are only stat-ed, to name a
-missing rank at once). The first read of data opens the arrays and parses the shard tables
-of the ranks the group holds. Reading goes through the engine's own chunk I/O
-(``AsyncFileIO``, O_DIRECT into ``BufferPool`` buffers); ``scan`` walks each array in
-storage order, window by window with read-ahead, and hands every window to the caller with
-the tensor pieces it holds. Checkpoint chunks are checked against the crc32c their
-manifest records, on every read.
+missing rank at once). Reading data opens the arrays it touches and parses the shard
+tables of the ranks that hold the rows it asks for (``shard_tables``), one rank at a time,
+on first need: a rank loading a checkpoint at the same world size reads its own table.
+Reading goes through the engine's own chunk I/O (``AsyncFileIO``, O_DIRECT into
+``BufferPool`` buffers); ``scan`` walks each array in storage order, window by window with
+read-ahead, and hands every window to the caller with the tensor pieces it holds.
+Checkpoint chunks are checked against the crc32c their manifest records, on every read.
+
+Every reader of our format goes through here: ``checkpoint.load``, consolidate, inspect,
+diff and export. Nothing here imports torch (``scan`` does, for its caller's statistics).
 """
 
 from __future__ import annotations
@@ -17,20 +21,20 @@ import collections
 import concurrent.futures
 import contextlib
 import gc
+import math
 import os
 from typing import Sequence
 
-import torch
-
-from offload_engine.io import AsyncFileIO, BufferPool
-from offload_engine.layout import FlatArray, MetadataError, NodeNotFoundError, read_group
-from offload_engine.layout.manifest import read_shard_table, shard_table_path
-
-from .errors import InspectError
-from .manifest import parse_manifest
-from .model import SourceInfo, TensorMeta
+from ...io import AsyncFileIO, BufferPool
+from ...io.align import as_byte_view
+from ...layout import FlatArray, MetadataError, NodeNotFoundError, read_group
+from ...layout.manifest import read_shard_table, shard_table_path
+from ...units import MiB
+from ..errors import CheckpointError
+from ..source import Progress, SourceBase, SourceInfo, TensorMeta, Visit
+from .generations import resolve
 from .shard_tables import ShardTables
-from .source import MiB, InspectSource, Progress, Visit
+from .tensor_table import parse_manifest
 from .windows import ChunkedArray, RangeReader, WindowStream
 
 DEFAULT_WINDOW = 16 * MiB
@@ -57,16 +61,14 @@ def gc_paused():
 
 
 def read_manifest_attrs(group: str) -> dict:
-    """The group's attributes; a missing or corrupt zarr.json is an InspectError naming it."""
+    """The group's attributes; a missing or corrupt zarr.json is a CheckpointError naming it."""
     try:
         return read_group(group)
-    except NodeNotFoundError as e:
-        raise InspectError(str(e)) from None
-    except MetadataError as e:
-        raise InspectError(str(e)) from None
+    except (NodeNotFoundError, MetadataError) as e:
+        raise CheckpointError(str(e)) from None
 
 
-class ZarrSource(InspectSource):
+class OursSource(SourceBase):
     """A store directory (``kind="store"``) or one checkpoint generation (``"checkpoint"``).
 
     Args:
@@ -75,6 +77,7 @@ class ZarrSource(InspectSource):
         generation: the generation's name (checkpoints), shown in the summary.
         window_bytes: bytes per read window (a multiple of 4096).
         depth: windows read ahead while one is processed.
+        io_threads: threads issuing reads.
         attrs: the group's attributes when the caller already parsed them (``detect``).
     """
 
@@ -105,9 +108,20 @@ class ZarrSource(InspectSource):
                                    "written one): flat arrays are listed as they are")
         self._io = AsyncFileIO(threads=io_threads, queue_depth=io_threads, block_size=8 * MiB)
         self._arrays: dict[str, ChunkedArray] = {}
-        self._placements = m.placements  # None until the shard tables are read
+        self._tables = ShardTables(m) if m.has_tensor_table else None
         self._pool: BufferPool | None = None
         self._ranges: RangeReader | None = None
+
+    @classmethod
+    def open_checkpoint(cls, ckpt_dir: str, tag: str | None = None, **options) -> "OursSource":
+        """The generation ``tag`` of the checkpoint directory ``ckpt_dir`` (default: the
+        one ``latest`` names), or ``ckpt_dir`` itself when it is a generation."""
+        if os.path.isfile(os.path.join(ckpt_dir, "zarr.json")) and tag is None:
+            gen = ckpt_dir
+        else:
+            gen = resolve(ckpt_dir, tag)
+        return cls(gen, "checkpoint", generation=os.path.basename(os.path.normpath(gen)),
+                   **options)
 
     # -- metadata: what listing checks without reading ------------------------------------
     def _stat_shard_tables(self) -> list[tuple[str, int]]:
@@ -121,15 +135,15 @@ class ZarrSource(InspectSource):
                 raise self._missing_table(r) from None
         return out
 
-    def _missing_table(self, rank: int) -> InspectError:
-        return InspectError(f"{shard_table_path(self.group, rank)}: rank {rank}'s shard table "
-                            f"is missing (rank {rank} missing?)")
+    def _missing_table(self, rank: int) -> CheckpointError:
+        return CheckpointError(f"{shard_table_path(self.group, rank)}: rank {rank}'s shard "
+                               f"table is missing (rank {rank} missing?)")
 
-    def _missing_array(self, name: str) -> InspectError:
+    def _missing_array(self, name: str) -> CheckpointError:
         rank = self.manifest.arrays[name].rank
         hint = f" (rank {rank} missing?)" if rank is not None else ""
-        return InspectError(f"{os.path.join(self.group, name)}: array {name!r} listed in the "
-                            f"manifest is missing{hint}")
+        return CheckpointError(f"{os.path.join(self.group, name)}: cannot open array {name!r} "
+                               f"listed in the manifest: it is missing{hint}")
 
     def _stat_arrays(self) -> None:
         for name in self.manifest.arrays:
@@ -155,8 +169,8 @@ class ZarrSource(InspectSource):
         ranks = {a.rank for a in m.arrays.values() if a.rank is not None}
         missing = sorted(want - ranks)
         if ranks and missing:
-            raise InspectError(f"{self.group}: world_size is {m.world_size} but no array belongs "
-                               f"to rank(s) {missing} (a missing rank)")
+            raise CheckpointError(f"{self.group}: world_size is {m.world_size} but no array "
+                                  f"belongs to rank(s) {missing} (a missing rank)")
 
     # -- data: arrays and shard tables, on first use -------------------------------------
     def _array(self, name: str) -> ChunkedArray:
@@ -172,42 +186,61 @@ class ZarrSource(InspectSource):
             flat = FlatArray.open(path, io=self._io, mode="r")
         except NodeNotFoundError:  # deleted since listing checked it
             raise self._missing_array(name) from None
-        except MetadataError as e:
-            raise InspectError(str(e)) from None
-        if flat.dtype != entry.dtype or flat.numel != entry.numel:
-            raise InspectError(f"{path}: array holds {flat.numel} x {flat.dtype}, the manifest "
-                               f"says {entry.numel} x {entry.dtype}")
+        except (MetadataError, ValueError) as e:
+            raise CheckpointError(f"{path}: cannot open: {e}") from None
+        if flat.element != entry.dtype or flat.numel != entry.numel:
+            raise CheckpointError(f"{path}: array holds {flat.numel} x {flat.element}, the "
+                                  f"manifest says {entry.numel} x {entry.dtype}")
         crcs = None
         if self.manifest.checksums is not None:
             crcs = self.manifest.checksums.get(name)
             if crcs is None:
-                raise InspectError(f"{path}: no checksums recorded for array {name!r} in the "
-                                   f"checkpoint manifest")
+                raise CheckpointError(f"{path}: no checksums recorded for array {name!r} in the "
+                                      f"checkpoint manifest")
             if len(crcs) != flat.nchunks:
-                raise InspectError(f"{path}: the manifest records {len(crcs)} checksums, "
-                                   f"the array has {flat.nchunks} chunks")
+                raise CheckpointError(f"{path}: the manifest records {len(crcs)} checksums, "
+                                      f"the array has {flat.nchunks} chunks")
         return ChunkedArray(name, flat, crcs)
 
-    def placements(self) -> dict:
-        """{(tensor, state): [Placement]} from the held ranks' shard tables, read once."""
-        if self._placements is None:
-            tables = ShardTables(self.manifest)
-            with gc_paused():
-                for r in self.manifest.ranks:
-                    try:
-                        doc = read_shard_table(self.group, r)
-                    except NodeNotFoundError:  # deleted since listing checked it
-                        raise self._missing_table(r) from None
-                    except MetadataError as e:
-                        raise InspectError(str(e)) from None
-                    tables.add(r, doc, shard_table_path(self.group, r))
-                    del doc
-                self._placements = tables.finish(self.group)
-        return self._placements
+    def _add_ranks(self, ranks) -> None:
+        """Parse and check the shard tables of ``ranks`` not read yet."""
+        tables = self._tables
+        todo = [r for r in ranks if r not in tables.ranks]
+        if not todo:
+            return
+        with gc_paused():
+            for r in todo:
+                try:
+                    doc = read_shard_table(self.group, r)
+                except NodeNotFoundError:  # deleted since listing checked it
+                    raise self._missing_table(r) from None
+                except MetadataError as e:
+                    raise CheckpointError(str(e)) from None
+                tables.add(r, doc, shard_table_path(self.group, r))
+                del doc
 
-    # -- InspectSource ---------------------------------------------------------------------
+    def placements(self) -> dict:
+        """{(tensor, state): [Placement]} from every held rank's shard table."""
+        if self._tables is None:
+            return self.manifest.placements
+        self._add_ranks(self.manifest.ranks)
+        return self._tables.all_placements()
+
+    def _placements_for(self, t: TensorMeta, state: str, lo: int, hi: int) -> list:
+        """The placements of ``t``'s ``state`` covering elements ``[lo, hi)``."""
+        if self._tables is None:
+            return self.manifest.placements.get((t.name, state), [])
+        row_numel = math.prod(t.shape[1:]) or 1
+        self._add_ranks(self._tables.ranks_for(t.name, lo // row_numel, -(-hi // row_numel)))
+        return self._tables.placements(t.name, state)
+
+    # -- TensorSource ----------------------------------------------------------------------
     def tensors(self) -> list[TensorMeta]:
         return self.manifest.tensors
+
+    def describe(self) -> str:
+        what = "offload-engine checkpoint" if self.kind == "checkpoint" else "live store"
+        return f"{what} {self.group} (step {self.manifest.step}, world size {self.manifest.world_size})"
 
     def _range_reader(self) -> RangeReader:
         if self._ranges is None:
@@ -215,12 +248,25 @@ class ZarrSource(InspectSource):
             self._ranges = RangeReader(self._io, self._pool, self.window_bytes, cache_windows=2)
         return self._ranges
 
-    def read(self, name: str, state: str, start: int, out: torch.Tensor) -> None:
-        placements = self.placements().get((name, state))
-        if placements is None:
-            raise InspectError(f"{self.group}: tensor {name!r} has no state {state!r}")
-        lo, hi = start, start + out.numel()
-        i = max(0, bisect.bisect_right([p.dest for p in placements], lo) - 1)
+    def read(self, requests) -> None:
+        for req in requests:
+            t = self.tensor(req.name)
+            state = req.state or t.value_state()
+            sm = t.states.get(state)
+            if sm is None:
+                raise CheckpointError(f"{self.group}: tensor {req.name!r} has no state {state!r}")
+            dest = as_byte_view(req.out)
+            size = sm.dtype.itemsize
+            lo, hi = req.start, req.start + len(dest) // size
+            if lo < 0 or hi > sm.numel:
+                raise CheckpointError(f"{req.name}/{state}: elements [{lo}, {hi}) are outside "
+                                      f"the tensor's {sm.numel}")
+            self._read_range(t, state, lo, hi, dest, size)
+
+    def _read_range(self, t: TensorMeta, state: str, lo: int, hi: int, dest: memoryview,
+                    size: int) -> None:
+        placements = self._placements_for(t, state, lo, hi)
+        i = max(0, bisect.bisect_right(placements, (lo, float("inf"))) - 1)
         reader = self._range_reader()
         pos = lo
         for p in placements[i:]:
@@ -232,24 +278,27 @@ class ZarrSource(InspectSource):
                 break  # rows no shard of this group holds (a live store has one rank's)
             take = min(hi, p.dest + p.numel) - pos
             a = p.offset + pos - p.dest
-            reader.read(self._array(p.array), a, a + take, out[pos - lo:pos - lo + take])
+            reader.read(self._array(p.array), a, a + take, dest[(pos - lo) * size:(pos - lo + take) * size])
             pos += take
         if pos < hi:
             m = self.manifest
             where = ("outside the tensor" if m.all_ranks or not m.has_tensor_table else
                      f"held by other ranks (this store holds rank {m.ranks[0]} of {m.world_size})")
-            raise InspectError(f"{name}/{state}: elements [{pos}, {hi}) are {where}")
+            raise CheckpointError(f"{t.name}/{state}: elements [{pos}, {hi}) are {where}")
 
     def scan(self, keys: Sequence[tuple[str, str]], visit: Visit, progress: Progress | None = None,
              window_bytes: int | None = None, workers: int = 1) -> int:
         """Array by array, window by window, in storage order; each window's tensor pieces
-        go to ``visit`` together. Only windows holding a wanted element are read. With
-        ``workers`` > 1, ``visit`` runs on that many threads at once (it must be
-        thread-safe) while the next windows are read."""
+        go to ``visit`` together (as a 1-D torch tensor of the array's dtype: imports
+        torch). Only windows holding a wanted element are read. With ``workers`` > 1,
+        ``visit`` runs on that many threads at once (it must be thread-safe) while the next
+        windows are read."""
+        import torch
+
         segments: dict[str, list[tuple[int, int, int]]] = {}
         placements = self.placements()
         for k, key in enumerate(keys):
-            for p in placements[key]:
+            for p in placements.get(key, []):
                 if p.numel:
                     segments.setdefault(p.array, []).append((p.offset, p.offset + p.numel, k))
         plan = []
@@ -282,7 +331,8 @@ class ZarrSource(InspectSource):
                     release()
                 else:
                     flat = w.array.flat
-                    view = data[:w.elems * flat.itemsize].view(flat.dtype)
+                    view = torch.frombuffer(data, dtype=torch.uint8)[:w.elems * flat.itemsize] \
+                        .view(flat.dtype)
                     if ex is None:
                         try:
                             visit(view, pieces)

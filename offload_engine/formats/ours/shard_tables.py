@@ -7,22 +7,28 @@ elements ``[offset, offset + numel)`` of an array. Row blocks (FSDP2 ``Shard(0)`
 contiguous in row-major order, so a shard starting at row ``row_start`` lands at
 ``dest = row_start * (elements per row)``.
 
-Tables are added one rank at a time, so only one rank's parsed JSON is alive at once.
+Tables are added one rank at a time, when a read first needs one of that rank's rows (a
+rank loading at the same world size reads its own table, not all of them), and only one
+rank's parsed JSON is alive at once. Each shard must sit where the tensor table's row split
+puts it (the rank's block of a split tensor; row 0 of one every rank holds whole), and
+every tensor the split gives rows on a rank must have a shard there: so the ranks' blocks
+tile each tensor exactly, whichever ranks were read.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
-from .errors import InspectError
-from .manifest import Manifest, Placement
+from ..errors import CheckpointError
+from .tensor_table import Manifest, Placement
 
 _EMPTY: dict = {}
 _new_placement = tuple.__new__  # Placement without the namedtuple constructor's frame
 
 
 class ShardTables:
-    """Collects the placements of every (tensor, state) from the ranks' tables."""
+    """The placements of every (tensor, state) from the ranks' tables added so far."""
 
     def __init__(self, manifest: Manifest):
         self.m = manifest
@@ -31,83 +37,109 @@ class ShardTables:
         self._numels = {n: a.numel for n, a in manifest.arrays.items()}
         self._dtypes = {n: a.dtype for n, a in manifest.arrays.items()}
         self._placements: dict[tuple[str, str], list] = {}
-        self._covered: dict[str, list] = {}  # tensor -> [(row_start, rows, rank)]
+        self.ranks: set[int] = set()   # ranks added
+        self._starts: dict[str, list[int] | None] = {}  # tensor -> expected first row per rank
+
+    def expected_start(self, name: str, rank: int) -> int:
+        """The first row of ``name`` that rank ``rank`` holds, by the tensor table: its
+        block of the row split, or 0 where every holding rank holds the whole tensor."""
+        starts = self._starts.get(name)
+        if name not in self._starts:
+            counts = self.m.rows[name]
+            t = self._tensors[name]
+            rows = t.shape[0] if t.shape else 1
+            starts = None
+            if sum(counts) == rows:
+                starts, pos = [], 0
+                for c in counts:
+                    starts.append(pos)
+                    pos += c
+            self._starts[name] = starts
+        return 0 if starts is None else starts[rank]
+
+    def ranks_for(self, name: str, lo_row: int, hi_row: int) -> list[int]:
+        """The held ranks whose rows of ``name`` overlap rows ``[lo_row, hi_row)``."""
+        counts = self.m.rows[name]
+        out = []
+        for r in self.m.ranks:
+            start = self.expected_start(name, r)
+            if counts[r] and start < hi_row and lo_row < start + counts[r]:
+                out.append(r)
+        return out
+
+    def placements(self, name: str, state: str) -> list[Placement]:
+        """The placements of ``name``'s ``state`` from the ranks added, sorted by ``dest``."""
+        return self._placements.get((name, state), [])
+
+    def all_placements(self) -> dict[tuple[str, str], list[Placement]]:
+        return self._placements
 
     def add(self, rank: int, doc, where: str) -> None:
         """Rank ``rank``'s table ``{tensor: shard}``, read from ``where`` (named in errors).
         The checks run on every shard, so they are written for speed."""
         if type(doc) is not dict:
-            raise InspectError(f"{where}: 'shards' must be an object {{tensor: shard}}")
+            raise CheckpointError(f"{where}: 'shards' must be an object {{tensor: shard}}")
         tensors, row_numels, numels, dtypes = self._tensors, self._row_numel, self._numels, self._dtypes
-        rows_of, placements, covered = self.m.rows, self._placements, self._covered
+        rows_of, placements = self.m.rows, self._placements
         for name, shard in doc.items():
             t = tensors.get(name)
             if t is None:
-                raise InspectError(f"{where}: tensor {name!r} has a shard on rank {rank} but is "
-                                   f"not in the tensor table")
+                raise CheckpointError(f"{where}: tensor {name!r} has a shard on rank {rank} but is "
+                                      f"not in the tensor table")
             if type(shard) is not dict:
-                raise InspectError(f"{where}: tensor {name!r}: the shard must be an object")
+                raise CheckpointError(f"{where}: tensor {name!r}: the shard must be an object")
             try:
                 row_start, nrows, numel = shard["row_start"], shard["rows"], shard["numel"]
             except KeyError as e:
-                raise InspectError(f"{where}: tensor {name!r}: a shard has no {e.args[0]!r}") from None
+                raise CheckpointError(f"{where}: tensor {name!r}: a shard has no {e.args[0]!r}") from None
             if not (type(row_start) is int and type(nrows) is int and type(numel) is int
                     and row_start >= 0 and nrows >= 0 and numel >= 0):
-                raise InspectError(f"{where}: tensor {name!r}: a shard's row_start, rows and "
-                                   f"numel must be integers >= 0, got {row_start!r}, "
-                                   f"{nrows!r}, {numel!r}")
+                raise CheckpointError(f"{where}: tensor {name!r}: a shard's row_start, rows and "
+                                      f"numel must be integers >= 0, got {row_start!r}, "
+                                      f"{nrows!r}, {numel!r}")
             row_numel = row_numels[name]
             if numel != nrows * row_numel:
-                raise InspectError(f"{where}: tensor {name!r}, rank {rank}: numel {numel} is not "
-                                   f"rows {nrows} x {row_numel} elements per row")
+                raise CheckpointError(f"{where}: tensor {name!r}, rank {rank}: numel {numel} is not "
+                                      f"rows {nrows} x {row_numel} elements per row")
             expected = rows_of[name][rank]
             if nrows != expected:
-                raise InspectError(f"{where}: tensor {name!r}: rank {rank} holds {nrows} rows, "
-                                   f"the tensor table says {expected}")
+                raise CheckpointError(f"{where}: tensor {name!r}: rank {rank} holds {nrows} rows, "
+                                      f"the tensor table says {expected}")
+            if nrows and row_start != self.expected_start(name, rank):
+                raise CheckpointError(f"{where}: tensor {name!r}: rank {rank}'s shard starts at row "
+                                      f"{row_start}, the tensor table's row split puts it at row "
+                                      f"{self.expected_start(name, rank)}")
             states = shard.get("states", _EMPTY)
             if type(states) is not dict or states.keys() != t.states.keys():
-                raise InspectError(_bad_states(where, name, rank, states, t.states))
+                raise CheckpointError(_bad_states(where, name, rank, states, t.states))
             dest = row_start * row_numel
             for state, ref in states.items():
                 try:
                     array, offset = ref["array"], ref["offset"]
                     limit = numels[array]
                 except (KeyError, TypeError):
-                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel,
-                                                numels)) from None
+                    raise CheckpointError(_bad_ref(where, name, rank, state, ref, numel,
+                                                   numels)) from None
                 if type(offset) is not int or offset < 0 or offset + numel > limit:
-                    raise InspectError(_bad_ref(where, name, rank, state, ref, numel, numels))
+                    raise CheckpointError(_bad_ref(where, name, rank, state, ref, numel, numels))
                 if dtypes[array] != t.states[state].dtype:
-                    raise InspectError(f"{where}: tensor {name!r}, rank {rank}, state {state!r}: "
-                                       f"array {array!r} holds {dtypes[array]}, the tensor table "
-                                       f"says {t.states[state].dtype}")
+                    raise CheckpointError(f"{where}: tensor {name!r}, rank {rank}, state {state!r}: "
+                                          f"array {array!r} holds {dtypes[array]}, the tensor table "
+                                          f"says {t.states[state].dtype}")
+                if not numel:
+                    continue
                 acc = placements.get((name, state))
                 if acc is None:
                     acc = placements[(name, state)] = []
-                acc.append(_new_placement(Placement, (dest, numel, array, offset, rank)))
-            cov = covered.get(name)
-            if cov is None:
-                cov = covered[name] = []
-            cov.append((row_start, nrows, rank))
-
-    def finish(self, where: str) -> dict[tuple[str, str], list[Placement]]:
-        """The placements, sorted, once every held rank was added: a group holding every
-        rank must tile each tensor's rows exactly; a live store must hold every row the
-        tensor table gives its rank. ``where`` (the group) is named in errors."""
+                bisect.insort(acc, _new_placement(Placement, (dest, numel, array, offset, rank)))
         for t in self.m.tensors:
-            cov = self._covered.get(t.name, [])
-            if self.m.all_ranks:
-                _check_rows(cov, t.shape[0] if t.shape else 1, f"tensor {t.name!r}", where)
-            else:
-                have = {r for _, _, r in cov}
-                for r in self.m.ranks:
-                    if r not in have and self.m.rows[t.name][r]:
-                        raise InspectError(f"{where}: tensor {t.name!r}: rank {r}'s shard table "
-                                           f"has no entry, the tensor table gives it "
-                                           f"{self.m.rows[t.name][r]} rows")
-        for pls in self._placements.values():
-            pls.sort()
-        return self._placements
+            n = rows_of[t.name][rank]
+            if n and t.name not in doc:
+                start = self.expected_start(t.name, rank)
+                raise CheckpointError(f"{where}: tensor {t.name!r}: rows [{start}, {start + n}) "
+                                      f"are in no shard (rank {rank}'s shard table has no entry; "
+                                      f"the tensor table gives it {n} rows)")
+        self.ranks.add(rank)
 
 
 def _bad_states(where, name, rank, states, want) -> str:
@@ -130,21 +162,3 @@ def _bad_ref(where, name, rank, state, ref, numel, numels) -> str:
         return f"{head}: offset must be an integer >= 0, got {offset!r}"
     return (f"{head}: elements [{offset}, {offset + numel}) run past the "
             f"{numels[ref['array']]} of array {ref['array']!r}")
-
-
-def _check_rows(covered: list, rows: int, what: str, where: str) -> None:
-    """The shards' row blocks must tile [0, rows) exactly."""
-    pos = 0
-    for row_start, nrows, rank in sorted(covered):
-        if nrows == 0:
-            continue
-        if row_start > pos:
-            raise InspectError(f"{where}: {what}: rows [{pos}, {row_start}) are in no shard "
-                               f"(a missing rank?)")
-        if row_start < pos:
-            raise InspectError(f"{where}: {what}: the shard of rank {rank} overlaps rows "
-                               f"[{row_start}, {pos})")
-        pos = row_start + nrows
-    if pos != rows:
-        raise InspectError(f"{where}: {what}: shards cover rows [0, {pos}) of {rows} "
-                           f"(a missing rank?)")

@@ -14,15 +14,14 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
+from ... import dtypes
+from ...dtypes import DType
+from ...layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, STORE_FORMAT, fsdp_rows,
+                                held_ranks)
+from ..errors import CheckpointError
+from ..source import StateMeta, TensorMeta
 
-from offload_engine import dtypes
-from offload_engine.layout.manifest import MANIFEST_VERSION, fsdp_rows, held_ranks
-
-from .errors import InspectError
-from .model import StateMeta, TensorMeta
-
-FORMATS = {"store": "offload-engine-store", "checkpoint": "offload-engine-checkpoint"}
+FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
 KNOWN_VERSIONS = (MANIFEST_VERSION,)
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
 
@@ -42,7 +41,7 @@ class Placement(NamedTuple):
 @dataclass
 class ArrayEntry:
     name: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int
     home: str | None
     rank: int | None
@@ -73,15 +72,15 @@ class Manifest:
 
 def _int(value, what: str, where: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InspectError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
+        raise CheckpointError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
-def _dtype(name, what: str, where: str) -> torch.dtype:
+def _dtype(name, what: str, where: str) -> DType:
     try:
-        return dtypes.zarr_dtype(name).torch
+        return dtypes.zarr_dtype(name)
     except (ValueError, TypeError):
-        raise InspectError(f"{where}: {what} has unknown dtype {name!r}") from None
+        raise CheckpointError(f"{where}: {what} has unknown dtype {name!r}") from None
 
 
 def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
@@ -89,10 +88,10 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     group's zarr.json, named in every error."""
     fmt = attrs.get("format")
     if fmt != FORMATS[kind]:
-        raise InspectError(f"{where}: manifest format is {fmt!r}, expected {FORMATS[kind]!r}")
+        raise CheckpointError(f"{where}: manifest format is {fmt!r}, expected {FORMATS[kind]!r}")
     version = attrs.get("format_version")
     if version not in KNOWN_VERSIONS:
-        raise InspectError(f"{where}: format_version {version!r} is not supported (this "
+        raise CheckpointError(f"{where}: format_version {version!r} is not supported (this "
                            f"offload-engine reads {', '.join(map(str, KNOWN_VERSIONS))})")
     step = attrs.get("step")
     if step is not None:
@@ -105,7 +104,7 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     checksums = None
     if kind == "checkpoint":
         if committed is not True:
-            raise InspectError(f"{where}: the generation is not committed ('committed' is "
+            raise CheckpointError(f"{where}: the generation is not committed ('committed' is "
                                f"{committed!r}): an interrupted save, not a checkpoint")
         checksums = _parse_checksums(attrs.get("checksums"), arrays, where)
     extra = {k: v for k, v in attrs.items()
@@ -117,10 +116,10 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
         return Manifest(fmt, version, step, world, arrays, tensors, [], {}, checksums,
                         committed, False, placements, extra)
     if world is None:
-        raise InspectError(f"{where}: a manifest with a tensor table needs 'world_size'")
+        raise CheckpointError(f"{where}: a manifest with a tensor table needs 'world_size'")
     ranks = held_ranks(attrs)
     if not all(type(r) is int and 0 <= r < world for r in ranks):
-        raise InspectError(f"{where}: 'rank' must be an integer in [0, {world}), got "
+        raise CheckpointError(f"{where}: 'rank' must be an integer in [0, {world}), got "
                            f"{attrs.get('rank')!r}")
     tensors, rows = _parse_tensors(tensors_doc, world, ranks, where)
     return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
@@ -129,11 +128,11 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
 
 def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
     if not isinstance(doc, dict):
-        raise InspectError(f"{where}: manifest has no 'arrays' object")
+        raise CheckpointError(f"{where}: manifest has no 'arrays' object")
     out = {}
     for name, entry in doc.items():
         if not isinstance(entry, dict):
-            raise InspectError(f"{where}: arrays[{name!r}] must be an object")
+            raise CheckpointError(f"{where}: arrays[{name!r}] must be an object")
         m = _RANK_PREFIX.match(name)
         chunk = entry.get("bucket_elems")
         out[name] = ArrayEntry(name, _dtype(entry.get("dtype"), f"array {name!r}", where),
@@ -145,15 +144,15 @@ def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
 
 def _parse_checksums(doc, arrays: dict[str, ArrayEntry], where: str) -> dict[str, list]:
     if not isinstance(doc, dict):
-        raise InspectError(f"{where}: a checkpoint manifest needs 'checksums' "
+        raise CheckpointError(f"{where}: a checkpoint manifest needs 'checksums' "
                            f"{{array: [crc32c or null per chunk]}}")
     for name, crcs in doc.items():
         if name not in arrays:
-            raise InspectError(f"{where}: checksums for array {name!r}, which is not in "
+            raise CheckpointError(f"{where}: checksums for array {name!r}, which is not in "
                                f"'arrays'")
         if not isinstance(crcs, list) or not all(
                 c is None or (type(c) is int and 0 <= c < 2**32) for c in crcs):
-            raise InspectError(f"{where}: checksums of array {name!r} must be a list of "
+            raise CheckpointError(f"{where}: checksums of array {name!r} must be a list of "
                                f"unsigned 32-bit integers or nulls")
     return doc
 
@@ -164,7 +163,7 @@ def _bare_arrays(arrays: dict[str, ArrayEntry]):
     for name in sorted(arrays):
         a = arrays[name]
         state = name.rsplit("/", 1)[-1]
-        itemsize = torch.empty((), dtype=a.dtype).element_size()
+        itemsize = a.dtype.itemsize
         tensors.append(TensorMeta(name, (a.numel,), a.dtype, None,
                                   {state: StateMeta(a.dtype, a.numel, {a.rank: a.numel * itemsize})},
                                   kind="array", home=a.home))
@@ -180,16 +179,16 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
     """The tensor table: TensorMeta per entry and the rows each rank holds. Runs once per
     tensor at listing, so the checks are written for speed; messages are built on failure."""
     if not isinstance(doc, dict):
-        raise InspectError(f"{where}: 'tensors' must be an object {{name: entry}}")
-    dtypes: dict[str, tuple[torch.dtype, int]] = {}  # zarr name -> (dtype, itemsize)
+        raise CheckpointError(f"{where}: 'tensors' must be an object {{name: entry}}")
+    known_dtypes: dict[str, DType] = {}  # zarr name -> dtype, checked once
     all_ranks = ranks == list(range(world))
     tensors, rows_of = [], {}
     for name, entry in doc.items():
         if type(entry) is not dict:
-            raise InspectError(f"{where}: tensor {name!r} must be an object")
+            raise CheckpointError(f"{where}: tensor {name!r} must be an object")
         shape = entry.get("shape")
         if type(shape) is not list or not all(_nat(d) for d in shape):
-            raise InspectError(f"{where}: tensor {name!r}: 'shape' must be a list of integers "
+            raise CheckpointError(f"{where}: tensor {name!r}: 'shape' must be a list of integers "
                                f">= 0, got {shape!r}")
         shape = tuple(shape)
         dtype = _dtype(entry.get("dtype"), f"tensor {name!r}", where)
@@ -200,28 +199,31 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
             counts = fsdp_rows(rows, world)
         elif (type(counts) is not list or len(counts) != world or not all(_nat(c) for c in counts)
               or (all_ranks and sum(counts) != rows)):
-            raise InspectError(f"{where}: tensor {name!r}: 'rows_per_rank' must list the rows "
+            raise CheckpointError(f"{where}: tensor {name!r}: 'rows_per_rank' must list the rows "
                                f"of each of the {world} ranks" + (f", adding up to {rows}"
                                                                   if all_ranks else "")
                                + f", got {counts!r}")
         states = entry.get("states")
         if type(states) is not dict or not states:
-            raise InspectError(f"{where}: tensor {name!r} has no 'states' object "
+            raise CheckpointError(f"{where}: tensor {name!r} has no 'states' object "
                                f"{{state: dtype}}")
         numel = rows * row_numel
         states_meta = {}
         for state, sdtype in states.items():
-            known = dtypes.get(sdtype) if type(sdtype) is str else None
+            known = known_dtypes.get(sdtype) if type(sdtype) is str else None
             if known is None:
-                dt = _dtype(sdtype, f"tensor {name!r}, state {state!r},", where)
-                known = dtypes[sdtype] = (dt, torch.empty((), dtype=dt).element_size())
-            per_row = row_numel * known[1]
-            states_meta[state] = StateMeta(known[0], numel, {r: counts[r] * per_row for r in ranks})
+                known = known_dtypes[sdtype] = _dtype(sdtype, f"tensor {name!r}, state {state!r},", where)
+            per_row = row_numel * known.itemsize
+            states_meta[state] = StateMeta(known, numel, {r: counts[r] * per_row for r in ranks})
         optimizer = entry.get("optimizer")
         if optimizer is not None and type(optimizer) is not str:
-            raise InspectError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
+            raise CheckpointError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
         kind = "buffer" if entry.get("buffer") is True else "param"
-        tensors.append(TensorMeta(name, shape, dtype, optimizer, states_meta, kind=kind))
+        meta = TensorMeta(name, shape, dtype, optimizer, states_meta, kind=kind)
+        step = entry.get("adam_step")
+        if step is not None:
+            meta.extra["adam_step"] = step
+        tensors.append(meta)
         rows_of[name] = counts
     return tensors, rows_of
 

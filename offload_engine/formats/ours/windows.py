@@ -8,6 +8,8 @@ the size of the input. When the manifest records a crc32c per chunk file, every 
 a chunk is read (edge padding included) and the checksum is compared when the chunk's last
 window has been consumed; a mismatch is a ``ChecksumError`` naming the chunk file. A chunk
 recorded as absent (``null``) must still be absent: it reads as the fill value.
+
+Everything is bytes (memoryviews of pool buffers): no torch, no element types.
 """
 
 from __future__ import annotations
@@ -18,14 +20,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-import torch
-
-from offload_engine.io import AsyncFileIO, BufferPool, PooledBuffer
-from offload_engine.layout import ChunkSizeError, FlatArray, TruncatedChunkError
-
-from ..checksums import crc32c_extend, mismatch, missing, unexpected
-
-PAGE = 4096
+from ...io import AsyncFileIO, BufferPool, PooledBuffer
+from ...layout import ChunkSizeError, FlatArray, TruncatedChunkError
+from ...layout.checksums import crc32c_extend, mismatch, missing, unexpected
+from ...layout.fill_values import fill_pattern
+from ...units import PAGE
 
 
 class ChunkedArray:
@@ -115,7 +114,7 @@ def chunk_present(array: ChunkedArray, chunk: int) -> bool:
 
 
 class WindowStream:
-    """Read windows in order with ``depth`` of them in flight; yield each as a uint8 tensor.
+    """Read windows in order with ``depth`` of them in flight; yield each as a memoryview.
 
     Args:
         io: the file I/O (O_DIRECT where the file system allows it).
@@ -129,7 +128,7 @@ class WindowStream:
         self.depth = max(1, depth)
         self.bytes_read = 0
 
-    def stream(self, windows: Iterable[Window]) -> Iterator[tuple[Window, torch.Tensor]]:
+    def stream(self, windows: Iterable[Window]) -> Iterator[tuple[Window, memoryview]]:
         """Yield ``(window, bytes)``; ``bytes`` is valid until the next item is requested."""
         for w, data, release in self.stream_detached(windows, hold=0):
             try:
@@ -138,7 +137,7 @@ class WindowStream:
                 release()
 
     def stream_detached(self, windows: Iterable[Window], hold: int
-                        ) -> Iterator[tuple[Window, torch.Tensor, Callable[[], None]]]:
+                        ) -> Iterator[tuple[Window, memoryview, Callable[[], None]]]:
         """Yield ``(window, bytes, release)``: ``bytes`` stays valid until ``release()``.
 
         The caller may keep up to ``hold`` windows unreleased while it asks for the next
@@ -163,7 +162,7 @@ class WindowStream:
                 w, buf, fut = pending[0]
                 if fut is not None:
                     fut.result()
-                data = buf.bytes[:w.nbytes]
+                data = buf.memoryview(w.nbytes)
                 self._check(w, data, crcs)
                 pending.popleft()
                 held[id(buf)] = buf
@@ -189,20 +188,20 @@ class WindowStream:
         try:
             flat = w.array.flat
             if not flat.direct:  # compressed or otherwise foreign: zarr-python decodes
-                out = buf.bytes[:w.elems * flat.itemsize]
-                fut = flat.read_into(w.elem_start, w.elem_start + w.elems, out.view(flat.dtype))
+                out = buf.memoryview(w.elems * flat.itemsize)
+                fut = flat.read_into(w.elem_start, w.elem_start + w.elems, out)
             elif present[key]:
                 fut = self.io.read(flat.chunk_path(w.chunk), w.offset, buf, w.nbytes)
                 self.bytes_read += w.nbytes
             else:
-                fill(buf.bytes[:w.elems * flat.itemsize].view(flat.dtype), flat.fill_value)
+                fill_pattern(buf.memoryview(w.elems * flat.itemsize), flat.fill_bytes)
                 fut = None
         except BaseException:
             buf.release()
             raise
         return w, buf, fut
 
-    def _check(self, w: Window, data: torch.Tensor, crcs: dict) -> None:
+    def _check(self, w: Window, data: memoryview, crcs: dict) -> None:
         if not w.array.verified(w.chunk):
             return
         key = (id(w.array), w.chunk)
@@ -214,11 +213,6 @@ class WindowStream:
         if crc != want:
             raise mismatch(w.array.flat.chunk_path(w.chunk), crc, want,
                            f"chunk {w.chunk} of array {w.array.name}")
-
-
-def fill(t: torch.Tensor, value) -> None:
-    if t.numel():
-        t.fill_(value)
 
 
 class RangeReader:
@@ -235,15 +229,15 @@ class RangeReader:
         self._cache_windows = max(1, cache_windows)
         self._verified: set[tuple[int, int]] = set()
 
-    def read(self, array: ChunkedArray, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Elements ``[lo, hi)`` of ``array`` into ``out`` (1-D, the array's dtype)."""
+    def read(self, array: ChunkedArray, lo: int, hi: int, out: memoryview) -> None:
+        """Elements ``[lo, hi)`` of ``array`` into the bytes ``out``."""
         flat = array.flat
-        ce = flat.chunk_elems
+        ce, size = flat.chunk_elems, flat.itemsize
         pos = lo
         while pos < hi:
             chunk = pos // ce
             end = min(hi, (chunk + 1) * ce)
-            dst = out[pos - lo:end - lo]
+            dst = out[(pos - lo) * size:(end - lo) * size]
             if array.verified(chunk):
                 if (id(array), chunk) not in self._verified:
                     self._verify(array, chunk)
@@ -259,7 +253,7 @@ class RangeReader:
             self._remember(w, data)
         self._verified.add((id(array), chunk))
 
-    def _remember(self, w: Window, data: torch.Tensor) -> None:
+    def _remember(self, w: Window, data: memoryview) -> None:
         if w.elems == 0:
             return
         buf = self.pool.try_acquire(w.nbytes)
@@ -269,15 +263,16 @@ class RangeReader:
                 buf = self.pool.try_acquire(w.nbytes)
             if buf is None:
                 return
-        buf.bytes[:w.nbytes].copy_(data)
+        buf.memoryview(w.nbytes)[:] = data
         self._cache[(id(w.array), w.chunk, w.offset)] = buf
         self._cache.move_to_end((id(w.array), w.chunk, w.offset))
         while len(self._cache) > self._cache_windows:
             self._cache.popitem(last=False)[1].release()
 
     def _copy_verified(self, array: ChunkedArray, chunk: int, lo: int, hi: int,
-                       dst: torch.Tensor) -> None:
-        """Elements [lo, hi) of a verified chunk: from cached windows, or read again."""
+                       dst: memoryview) -> None:
+        """Elements [lo, hi) of a verified chunk into the bytes ``dst``: from cached
+        windows, or read again."""
         flat, size = array.flat, array.itemsize
         base = chunk * flat.chunk_elems
         pos = lo
@@ -285,11 +280,11 @@ class RangeReader:
             off = (pos - base) * size // self.window_bytes * self.window_bytes
             w_end = min(hi, base + (off + self.window_bytes) // size)
             buf: PooledBuffer | None = self._cache.get((id(array), chunk, off))
-            piece = dst[pos - lo:w_end - lo]
+            piece = dst[(pos - lo) * size:(w_end - lo) * size]
             if buf is not None:
                 self._cache.move_to_end((id(array), chunk, off))
                 start = (pos - base) * size - off
-                piece.view(torch.uint8).copy_(buf.bytes[start:start + piece.numel() * size])
+                piece[:] = buf.memoryview(start + len(piece))[start:]
             else:
                 flat.read_into(pos, w_end, piece).result()
             pos = w_end

@@ -1,0 +1,24 @@
+"""The names in a checkpoint directory (docs/format.md, "Checkpoints").
+
+```
+<ckpt_dir>/
+  latest                       text: the name of the newest committed generation
+  step-00000030/               a committed generation (a zarr v3 group; tensor table in zarr.json)
+    rank0/                     rank 0's arrays; its shard table in rank0/zarr.json
+  step-00000040.partial/       a generation being written, or torn by a crash: never loaded
+```
+
+A generation is written under ``<name>.partial`` and renamed to ``<name>`` when complete
+(the commit point); ``latest`` is replaced after. Writing is ``checkpoint/commit.py``,
+reading ``formats/ours/generations.py``.
+"""
+
+from __future__ import annotations
+
+PARTIAL = ".partial"
+LATEST = "latest"
+
+
+def generation_name(step: int) -> str:
+    """The directory name of the generation saved at ``step``."""
+    return f"step-{step:08d}"
