@@ -98,9 +98,7 @@ BY_NAME: dict[str, DType] = {t.name: t for t in _TABLE}
 _BY_SPELLING: dict[str, DType] = {**{s: t for t in _TABLE for s in t.short}, **BY_NAME}
 _BY_SAFETENSORS: dict[str, DType] = {t.safetensors: t for t in _TABLE if t.safetensors}
 
-BOOL, UINT8, INT64 = BY_NAME["bool"], BY_NAME["uint8"], BY_NAME["int64"]
-FLOAT16, BFLOAT16, FLOAT32, FLOAT64 = (BY_NAME[n] for n in ("float16", "bfloat16", "float32",
-                                                             "float64"))
+FLOAT16, BFLOAT16, FLOAT32 = BY_NAME["float16"], BY_NAME["bfloat16"], BY_NAME["float32"]
 ZARR_NAMES = tuple(t.name for t in _TABLE if t.zarr)
 
 

@@ -8,7 +8,6 @@ import re
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
-TiB = 1 << 40
 # bytes: the page, and the alignment O_DIRECT needs of an address, offset and length on
 # every device we target; chunk files and pool buffers are whole pages
 PAGE = 4096

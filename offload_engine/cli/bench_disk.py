@@ -34,9 +34,7 @@ from ..io import AsyncFileIO, BufferPool
 from ..io.page_cache import evict_and_check
 from ..plan import disk_profile
 from .args import aligned_size, positive_int
-from ..units import format_bytes
-
-MiB = 1 << 20
+from ..units import MiB, format_bytes
 FULL = {"block_sizes": [1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB], "queue_depths": [1, 4, 8, 16, 32],
         "size": 256 * MiB, "repeats": 2}
 QUICK = {"block_sizes": [1 * MiB, 8 * MiB], "queue_depths": [1, 4, 16], "size": 64 * MiB,

@@ -45,11 +45,10 @@ import numpy as np
 from ..io import ALIGN, AsyncFileIO
 from ..layout import FlatArray
 from .args import byte_size, positive_int
-from ..units import format_bytes, parse_bytes
+from ..units import MiB, format_bytes, parse_bytes
 from .bench_io_methods import (ITEMSIZE, BenchError, EngineBench, FioBench, ODirectLoopBench,
                                TensorstoreBench, ZarrPythonBench, fill_pattern, probe_direct)
 
-MiB = 1 << 20
 SPACE_MARGIN = 64 * MiB  # disk kept free beyond the test files
 PEERS = ("zarr_python", "tensorstore")
 

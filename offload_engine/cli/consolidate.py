@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from ..formats import open_source
-from ..offline.consolidate import DTYPES, consolidate, verify_output
+from ..offline.consolidate import OUTPUT_DTYPES, consolidate, verify_output
 from ..offline.hf_shards import parse_size
 from .progress import ProgressLine
 
@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest shard, decimal units as Hugging Face: 5GB = 5*10**9 bytes; "
                         "also 500MB, 1GiB, 4096 (default: 5GB)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+    p.add_argument("--dtype", choices=sorted(OUTPUT_DTYPES), default="fp32",
                    help="dtype of every float tensor (default fp32, as zero_to_fp32); "
                         "integer and bool tensors are copied bit for bit")
     p.add_argument("--exclude-frozen", action="store_true",
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     max_shard = parse_size(args.max_shard_size)
     window = parse_size(args.window_size)
-    dtype = DTYPES[args.dtype]
+    dtype = args.dtype
     with open_source(args.src, args.tag) as source:
         progress = ProgressLine() if sys.stderr.isatty() else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,

@@ -32,8 +32,3 @@ class MarkovText:
             choice = torch.multinomial(self.probs[tokens[:, t]], 1, generator=g).squeeze(1)
             tokens[:, t + 1] = self.successors[tokens[:, t], choice]
         return tokens[:, :-1], tokens[:, 1:]
-
-    def entropy(self) -> float:
-        """The chain's mean next-token entropy (nats): the loss a perfect model reaches."""
-        p = self.probs
-        return float(-(p * p.log()).sum(dim=1).mean())

@@ -241,10 +241,6 @@ class BufferPool:
     def live_buffers(self) -> int:
         return self._extents.live
 
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity - self.in_use
-
     def reset_peak(self) -> None:
         with self._cond:
             self._extents.peak_in_use = self._extents.in_use

@@ -201,11 +201,6 @@ class FlatArray:
         """True when the engine moves chunk bytes itself; False: zarr-python reads, no writes."""
         return self._meta.direct_problem is None
 
-    @property
-    def foreign_reason(self) -> str | None:
-        """Why the array is not served directly (None when it is)."""
-        return self._meta.direct_problem
-
     def chunk_path(self, i: int) -> str:
         """File of chunk ``i`` (0 <= i < nchunks), e.g. ``<path>/c/3``."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.nchunks:

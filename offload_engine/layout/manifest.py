@@ -61,23 +61,6 @@ def tensor_entry(shape, dtype: str, optimizer: str | None, states: dict[str, str
     return entry
 
 
-def rows_per_rank(entry: dict, world: int):
-    """Rows of the tensor each rank holds: the entry's ``rows_per_rank``, else FSDP2's split."""
-    explicit = entry.get("rows_per_rank")
-    return explicit if explicit is not None else fsdp_rows(tensor_rows(entry["shape"]), world)
-
-
-def ranks_holding_rows(counts, lo: int, hi: int) -> list[int]:
-    """Ranks whose row block overlaps rows ``[lo, hi)``, the blocks being ``counts`` rows
-    each in rank order (a checkpoint's split)."""
-    out, start = [], 0
-    for r, n in enumerate(counts):
-        if n and start < hi and lo < start + n:
-            out.append(r)
-        start += n
-    return out
-
-
 def held_ranks(attrs: dict) -> list[int]:
     """Ranks whose shard tables the group holds: a live store records its own ``rank``;
     a checkpoint (or a store holding every rank) holds all of ``world_size``."""

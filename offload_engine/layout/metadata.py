@@ -155,7 +155,6 @@ class ArrayMetadata:
     element: DType
     chunk_elems: int  # elements per chunk
     key_prefix: str  # chunk i lives at <path>/<key_prefix><i>
-    fill_json: object
     fill_bytes: bytes  # one element, little endian
     direct_problem: str | None
     doc: dict = field(repr=False)  # the whole zarr.json, unknown-but-harmless keys included
@@ -225,7 +224,7 @@ def parse_array(path: str, doc: dict) -> ArrayMetadata:
     except ValueError as e:
         raise MetadataError(f"{file}: invalid fill_value: {e}") from None
     return ArrayMetadata(path=path, numel=shape[0], element=element, chunk_elems=chunk_elems,
-                         key_prefix=key_prefix, fill_json=doc["fill_value"],
+                         key_prefix=key_prefix,
                          fill_bytes=fill_bytes,
                          direct_problem=_direct_problem(path, doc["codecs"], element),
                          doc=doc)

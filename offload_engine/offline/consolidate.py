@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, DType, dtype as as_dtype
+from ..dtypes import FLOAT32, DType, dtype as as_dtype
 from ..formats.safetensors import INDEX_FILE
 from ..formats.source import ReadRequest, TensorMeta, TensorSource
 from ..io import ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, probe_direct, round_up
@@ -46,7 +46,7 @@ from ..units import MiB
 from .casts import as_torch_view, cast_into
 from .hf_shards import OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor, ShardPlan, index_text, plan_files
 
-DTYPES = {"fp32": FLOAT32, "bf16": BFLOAT16, "fp16": FLOAT16}
+OUTPUT_DTYPES = ("fp32", "bf16", "fp16")  # what float tensors may be written as (dtypes names)
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,8 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
     Args:
         max_shard_bytes: shard limit in bytes (Hugging Face's greedy rule).
         dtype: the dtype of every float tensor written (``output_dtype``): a DType
-            (``DTYPES``), a name, or a torch or numpy dtype.
+            or any spelling ``dtypes.dtype`` takes (``OUTPUT_DTYPES``: "fp32", "bf16",
+            "fp16"), or a torch or numpy dtype.
         exclude_frozen: leave out parameters without gradient (``kind == "frozen"``).
         window_bytes: bytes per I/O window (one reusable buffer).
         depth: windows filled ahead of the one being written.

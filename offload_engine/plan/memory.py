@@ -215,7 +215,6 @@ class RankState:
     a2a_calls: int = 0
     ns_max_numel: int = 0
     ns_max_min_dim: int = 0
-    ns_owned: int = 0
     max_segment: int = 0
     infos: list = field(default_factory=list, repr=False)  # this rank's view (its layout's)
 
@@ -268,14 +267,12 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
     recv_max = [0] * world
     ns_numel = [0] * world
     ns_dim = [0] * world
-    owned_count = [0] * world
     for c, os_ in zip(exchanged, owners):
         per_chunk: dict[int, int] = {}
         for p, o in zip(c.params, os_):
             i = infos[p]
             own_local[o] += rows_of_rank(i.rows, world, o) * i.row_numel
             own_numel[o] += i.numel
-            owned_count[o] += 1
             per_chunk[o] = per_chunk.get(o, 0) + i.numel
             ns_numel[o] = max(ns_numel[o], i.numel)
             ns_dim[o] = max(ns_dim[o], min(i.rows, i.row_numel))
@@ -297,11 +294,9 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
             st.a2a_sent = st.a2a_received = BF16 * moved
             st.a2a_calls = 2 * len(exchanged)
             st.ns_max_numel, st.ns_max_min_dim = ns_numel[r], ns_dim[r]
-            st.ns_owned = owned_count[r]
         if local_muon:
             st.ns_max_numel = max([st.ns_max_numel] + [a * b for a, b in local_muon])
             st.ns_max_min_dim = max([st.ns_max_min_dim] + [min(a, b) for a, b in local_muon])
-            st.ns_owned += len(local_muon)
         out.append(st)
     return out
 

@@ -35,14 +35,6 @@ class StepIO:
         return max(self.read)
 
     @property
-    def written_max(self) -> int:
-        return max(self.written)
-
-    @property
-    def read_mean(self) -> float:
-        return sum(self.read) / 2
-
-    @property
     def written_mean(self) -> float:
         return sum(self.written) / 2
 

@@ -135,7 +135,6 @@ class DeepSpeedSource(SourceBase):
         self._used: dict[str, list[set[str]]] = {}  # state -> per file, storage keys it reads
         self._forbidden: dict[frozenset, list] = {}
         self.optimizer: str | None = None
-        self.hyperparams: list[dict] = []
         self._add_buffers(model0)
         self._add_frozen(model0)
         self._add_trainable(model0)
@@ -286,8 +285,6 @@ class DeepSpeedSource(SourceBase):
             if len(found) == len(refs["master"]):  # every partition has it
                 refs[moment] = found
         self.optimizer = _optimizer_kind(hyper, "exp_avg_sq" in refs)
-        self.hyperparams = [{k: g.get(k) for k in ("lr", "betas", "eps", "weight_decay")}
-                            for g in hyper or [] if isinstance(g, dict)]
         for name, pieces in layout.items():
             states = {}
             for state, by_src in refs.items():

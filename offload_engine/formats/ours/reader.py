@@ -321,7 +321,7 @@ class OursSource(SourceBase):
         ex = concurrent.futures.ThreadPoolExecutor(nw, thread_name_prefix="oe-inspect") \
             if nw > 1 else None
         try:
-            for w, data, release in stream.stream_detached(windows, hold=nw + 1):
+            for w, data, release in stream.stream_detached(windows):
                 done += w.nbytes
                 pieces = []
                 if w.elems:

@@ -130,19 +130,19 @@ class WindowStream:
 
     def stream(self, windows: Iterable[Window]) -> Iterator[tuple[Window, memoryview]]:
         """Yield ``(window, bytes)``; ``bytes`` is valid until the next item is requested."""
-        for w, data, release in self.stream_detached(windows, hold=0):
+        for w, data, release in self.stream_detached(windows):
             try:
                 yield w, data
             finally:
                 release()
 
-    def stream_detached(self, windows: Iterable[Window], hold: int
+    def stream_detached(self, windows: Iterable[Window]
                         ) -> Iterator[tuple[Window, memoryview, Callable[[], None]]]:
         """Yield ``(window, bytes, release)``: ``bytes`` stays valid until ``release()``.
 
-        The caller may keep up to ``hold`` windows unreleased while it asks for the next
-        (e.g. being reduced on worker threads); the pool needs ``depth + 1 + hold``
-        windows. Releasing every window it was given is the caller's job, also after an
+        The caller may keep windows unreleased while it asks for the next (e.g. being
+        reduced on worker threads): the pool needs ``depth + 1`` windows plus those it
+        keeps. Releasing every window it was given is the caller's job, also after an
         error (the generator only frees the windows it has not handed out).
         """
         pending: collections.deque = collections.deque()
