@@ -131,9 +131,9 @@ def make_checkpoint(python: str, path: str, world: int) -> None:
 
 def checkpoint_facts(path: str) -> dict:
     """Files, sizes, and the bytes our consolidate needs from them (from the metadata only)."""
-    from offload_engine.checkpoint.consolidate import output_dtype, plan_output
+    from offload_engine.dtypes import FLOAT32
     from offload_engine.formats.deepspeed import DeepSpeedSource
-    from offload_engine.checkpoint.dtypes import FLOAT32
+    from offload_engine.offline.consolidate import output_dtype, plan_output
 
     with DeepSpeedSource(path) as src:
         infos = src.tensors()
