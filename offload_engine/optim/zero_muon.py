@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ..layout.manifest import write_shard_table
 from ..store import StoreConfig, TieredStore
+from ..store.geometry import array_pool_bytes
+from ..units import PAGE
 from .comm import Exchange, plan_chunk
 from .manifest import store_manifest
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
@@ -167,10 +169,10 @@ class ZeroMuon(torch.optim.Optimizer):
 
     def _open_store(self, store, cfg: StoreConfig) -> None:
         self.prefix = f"rank{self.store_rank}/"
-        needed = sum(-(-nb // 4096) * 4096 for name, (dt, n) in self.layout.arrays.items()
-                     for nb in _bucket_bytes(n, dt, cfg.bucket_bytes))
+        # pinned bytes of all state resident at once (each bucket page-rounded, as the pool takes it)
+        needed = sum(array_pool_bytes(n, dt, cfg.bucket_bytes) for dt, n in self.layout.arrays.values())
         if store is None:
-            cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, 4096)})
+            cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, PAGE)})
         if self.device.type == "cuda" and not isinstance(store, TieredStore) and cfg.gpu_budget == 0:
             # the step acquires buckets on the parameters' device: the store stages them there
             staging = working_buckets(self.layout) * cfg.bucket_bytes
@@ -338,12 +340,6 @@ class ZeroMuon(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _bucket_bytes(numel: int, dtype: torch.dtype, bucket_bytes: int) -> list[int]:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    be = bucket_bytes // itemsize
-    return [(min(s + be, numel) - s) * itemsize for s in range(0, numel, be)]
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -11,11 +11,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ValidationError, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from ..units import parse_bytes
+from ..units import PAGE, MiB, parse_bytes
 
 Tier = Literal["gpu", "cpu", "nvme"]
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
-MiB = 1 << 20
 
 
 class StoreConfig(BaseModel):
@@ -45,8 +44,8 @@ class StoreConfig(BaseModel):
     @field_validator("bucket_bytes", "block_size")
     @classmethod
     def _multiple_of_page(cls, v: int, info) -> int:
-        if v <= 0 or v % 4096:
-            raise ValueError(f"{info.field_name} must be a positive multiple of 4096 bytes, got {v}")
+        if v <= 0 or v % PAGE:
+            raise ValueError(f"{info.field_name} must be a positive multiple of {PAGE} bytes, got {v}")
         return v
 
     @model_validator(mode="after")

@@ -25,6 +25,7 @@ from ..io import AsyncFileIO, BufferPool, PoolExhaustedError
 from ..layout import FlatArray, create_group, read_group, write_group_attributes
 from .. import dtypes
 from ..layout.manifest import MANIFEST_VERSION
+from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .config import StoreConfig
 from .lock import WriteLock
@@ -138,15 +139,15 @@ class TieredStore:
         if numel < 0:
             raise ValueError(f"array {name}: numel must be >= 0, got {numel}")
         dtypes.zarr_dtype(dtypes.dtype(dtype).name)  # raises for a dtype no array can hold
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = geometry.itemsize_of(dtype)
         with self._lock:
             if name in self._arrays:
                 raise ValueError(f"array {name} is already registered")
             home = self._choose_home(name, home, numel * itemsize)
-            bucket_elems = self.config.bucket_bytes // itemsize
+            bucket_elems = geometry.elems_per_bucket(self.config.bucket_bytes, itemsize)
             arr = _Array(name, dtype, numel, itemsize, home, bucket_elems, [])
-            for i, start in enumerate(range(0, numel, bucket_elems)):
-                stop = min(start + bucket_elems, numel)
+            spans = geometry.bucket_spans(numel, itemsize, self.config.bucket_bytes)
+            for i, (start, stop) in enumerate(spans):
                 arr.buckets.append(Bucket(arr, i, start, stop, (stop - start) * itemsize,
                                           pinned_home=home in ("cpu", "gpu")))
             if home == "nvme":
