@@ -31,7 +31,7 @@ from .config import StoreConfig
 from .lock import WriteLock
 from .schedule import INF, Schedule
 from .snapshot import Snapshot
-from .stats import StatsCounter, StoreStats
+from .counters import StatsCounter, StoreStats
 
 log = logging.getLogger(__name__)
 
