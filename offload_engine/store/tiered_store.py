@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ..io import AsyncFileIO, BufferPool, PoolExhaustedError
-from ..layout import FlatArray, create_group, read_group, write_group_attributes
 from .. import dtypes
-from ..layout.manifest import MANIFEST_VERSION
+from ..layout import FlatArray
+from ..layout.store_group import STORE_KEYS, open_store_group, store_array_entry, write_store_group
+from ..layout.striping import stripe_chunks
 from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .config import StoreConfig
@@ -36,8 +37,6 @@ from .counters import StatsCounter, StoreStats
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
-FORMAT = "offload-engine-store"
-FORMAT_VERSION = MANIFEST_VERSION  # the optimizer's tensor table shares the group (docs/format.md)
 
 
 @dataclass(eq=False)
@@ -97,19 +96,14 @@ class TieredStore:
         except Exception:
             self._release_locks()
             raise
-        if self.root is not None:
-            if os.path.exists(os.path.join(self.root, "zarr.json")):
-                attrs = read_group(self.root)
-                if attrs.get("format", FORMAT) != FORMAT:
-                    self._release_locks()
-                    raise ValueError(f"{self.root} holds a zarr group that is not an offload-engine store")
-            else:
-                create_group(self.root, {"format": FORMAT, "format_version": FORMAT_VERSION, "arrays": {}})
         self._arrays: dict[str, _Array] = {}
-        self._manifest_extra: dict = {}
+        self._manifest_extra: dict = {}  # entries of the layers above (the optimizer's tables)
         if self.root is not None:
-            known = {"format", "format_version", "arrays", "stripes"}
-            self._manifest_extra = {k: v for k, v in read_group(self.root).items() if k not in known}
+            try:
+                self._manifest_extra = open_store_group(self.root)
+            except Exception:
+                self._release_locks()
+                raise
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._resident: set[Bucket] = set()
@@ -181,7 +175,8 @@ class TieredStore:
 
     def _open_or_create(self, arr: _Array) -> FlatArray:
         path = os.path.join(self.root, arr.name)
-        if os.path.exists(os.path.join(path, "zarr.json")):
+        reopened = os.path.exists(os.path.join(path, "zarr.json"))
+        if reopened:
             flat = FlatArray.open(path, io=self.io, mode="r+")
             if (flat.dtype != arr.dtype or flat.numel != arr.numel
                     or (flat.chunk_elems != arr.bucket_elems and len(arr.buckets) > 1)):
@@ -193,43 +188,29 @@ class TieredStore:
             flat = FlatArray.create(path, arr.numel, arr.dtype, io=self.io,
                                     chunk_bytes=self.config.bucket_bytes,
                                     attributes={"offload_engine": {"home": "nvme"}})
-        self._stripe(arr, flat)
+        stripe_chunks(flat, arr.name, self._stripes)
+        # asked once here (an array just made has no chunk files); from now on the store is
+        # the array's only writer, so reads and writes trust this record, and the chunks
+        # they create, instead of asking the file system at every access
+        present = ({i for i in range(flat.nchunks) if os.path.exists(flat.chunk_path(i))}
+                   if reopened else set())
+        flat.track_chunks(present)
+        ce = flat.chunk_elems
         for b in arr.buckets:
-            b.on_disk = os.path.exists(flat.chunk_path(b.index))
+            b.on_disk = any(c in present for c in range(b.start // ce, -(-b.stop // ce)))
         return flat
 
-    def _stripe(self, arr: _Array, flat: FlatArray) -> None:
-        """Put chunk i on nvme path i % n: a symlink at the zarr key points at the file, so
-        zarr-python and tensorstore still find every chunk at ``<array>/c/<i>``."""
-        n = len(self._stripes)
-        if n <= 1:
-            return
-        for b in arr.buckets:
-            stripe = b.index % n
-            if stripe == 0:
-                continue
-            link = flat.chunk_path(b.index)
-            target = os.path.join(self._stripes[stripe], "stripes", arr.name, "c", str(b.index))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.makedirs(os.path.dirname(link), exist_ok=True)
-            if not os.path.islink(link):
-                if os.path.exists(link):  # a plain chunk from an unstriped run: keep it there
-                    continue
-                os.symlink(target, link)
-
     def _write_manifest(self) -> None:
-        arrays = {a.name: {"dtype": dtypes.dtype(a.dtype).name, "numel": a.numel, "home": a.home,
-                           "bucket_elems": a.bucket_elems}
+        arrays = {a.name: store_array_entry(dtypes.dtype(a.dtype).name, a.numel, a.home,
+                                            a.bucket_elems)
                   for a in self._arrays.values() if a.home == "nvme"}
-        write_group_attributes(self.root, {**self._manifest_extra, "format": FORMAT,
-                                           "format_version": FORMAT_VERSION,
-                                           "arrays": arrays, "stripes": self._stripes})
+        write_store_group(self.root, arrays, self._stripes, self._manifest_extra)
 
     def update_manifest(self, entries: dict) -> None:
         """Merge ``entries`` (JSON-serialisable) into the store's manifest (the group
         attributes, docs/format.md), e.g. the optimizer's ``tensors``, ``world_size`` and
         ``step``; rewritten atomically. The store's own keys cannot be overridden."""
-        reserved = {"format", "format_version", "arrays", "stripes"} & set(entries)
+        reserved = STORE_KEYS & set(entries)
         if reserved:
             raise ValueError(f"manifest keys {sorted(reserved)} belong to the store")
         with self._lock:
