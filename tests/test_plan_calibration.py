@@ -89,9 +89,9 @@ def files_under(path):
 def wait_for_writes(store, timeout=10.0):
     """Let write-behind issued during the step land (so it is counted in that step)."""
     deadline = time.monotonic() + timeout
-    while store._inflight_writes and time.monotonic() < deadline:
+    while store.writes_in_flight and time.monotonic() < deadline:
         time.sleep(0.002)
-    assert not store._inflight_writes
+    assert not store.writes_in_flight
 
 
 CASES = [  # (home, param dtype, master weights, pinned budget in buckets or None)

@@ -30,7 +30,7 @@ from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .config import StoreConfig
 from .lock import WriteLock
-from .schedule import INF, Schedule
+from .policy import Credit, ResidencyPolicy
 from .snapshot import Snapshot
 from .counters import StatsCounter, StoreStats
 
@@ -108,12 +108,10 @@ class TieredStore:
         self._cv = threading.Condition(self._lock)
         self._resident: set[Bucket] = set()
         self._prefetch_queue: list[Bucket] = []
-        self._schedule: Schedule | None = None
-        self._recording: list | None = None
-        self._recorded: set = set()
+        # the step order, read-ahead, victims and write-back credit; the store reports to it
+        # every change of a bucket that can make it an eviction candidate or not
+        self._policy = ResidencyPolicy(cfg.prefetch_depth, cfg.alternate_order)
         self._write_errors: list[BaseException] = []
-        self._inflight_writes = 0
-        self._freeing = 0  # bytes that write-backs in flight will return to the pool
         self._tick = 0
         self._stats = StatsCounter()
         self._auto_bytes = {"gpu": 0, "cpu": 0}
@@ -271,13 +269,15 @@ class TieredStore:
             raise ValueError(f"array {name} lives on the GPU; acquire it with a CUDA device")
         with self._lock:
             self._check_open()
-            self._note_use(b)
+            self._policy.note_use(b.key)
             t0 = time.monotonic()
             b.refs += 1  # from now on: not a victim, even while we wait for its read
+            self._update_candidate(b)
             try:
                 waited = self._make_resident(b, demand=True)
             except BaseException:
                 b.refs -= 1
+                self._update_candidate(b)
                 raise
             while b.saving:  # the snapshot thread is copying it: wait, it may be modified
                 self._cv.wait()
@@ -329,15 +329,17 @@ class TieredStore:
             b.refs -= 1
             if dirty and b.array.home == "nvme":
                 b.dirty = True
+            self._update_candidate(b)
             self._pump()
             self._cv.notify_all()
 
-    def _note_use(self, b: Bucket) -> None:
-        if self._schedule is not None:
-            self._schedule.mark_used(b.key)
-        elif self._recording is not None and b.key not in self._recorded:
-            self._recording.append(b.key)
-            self._recorded.add(b.key)
+    def _update_candidate(self, b: Bucket) -> None:
+        """Tell the policy whether ``b`` may be evicted now (after any change of its state,
+        references, dirtiness or write failure)."""
+        if b.state == RESIDENT and not b.refs and not b.pinned_home and not b.write_failed:
+            self._policy.offer(b.key, b.dirty, b.last_use)
+        else:
+            self._policy.withdraw(b.key)
 
     def _make_resident(self, b: Bucket, demand: bool) -> bool:
         """Bring ``b`` into its buffer; returns whether the caller had to wait."""
@@ -362,7 +364,7 @@ class TieredStore:
                 if status == "none" and self._write_errors:
                     raise self._write_errors[0]
             elif b.state == WRITING:
-                self._set_evict_after(b, False)  # needed again: keep it once the write lands
+                self._policy.writebacks.keep(b.key)  # needed again: keep it once the write lands
             elif b.state == READING and not counted:
                 self._stats.current.hits += 1  # prefetched: the read was already on its way
                 counted = True
@@ -394,7 +396,9 @@ class TieredStore:
             b.state = RESIDENT
             self._stats.current.zero_fills += 1
             return "started"
-        buf, status = self._get_buffer(b, demand, [self._freeing] if credit is None else credit)
+        if credit is None:
+            credit = self._policy.writebacks.credit()
+        buf, status = self._get_buffer(b, demand, credit)
         if buf is None:
             return status
         b.buf = buf
@@ -402,6 +406,7 @@ class TieredStore:
         if arr.home != "nvme" or not b.on_disk:
             buf.bytes.zero_()  # first touch: zeros, nothing read, nothing written
             b.state = RESIDENT
+            self._update_candidate(b)
             self._stats.current.zero_fills += 1
             self._cv.notify_all()
             return "started"
@@ -418,49 +423,28 @@ class TieredStore:
                 self._drop(b, count=False)
             else:
                 b.state = RESIDENT
+                self._update_candidate(b)
                 self._stats.current.bytes_read["nvme"] += b.nbytes
             self._cv.notify_all()
             self._pump()
 
-    def _get_buffer(self, b: Bucket, demand: bool, credit: list[int]):
-        limit = INF if demand else self._next_use(b)
+    def _get_buffer(self, b: Bucket, demand: bool, credit: Credit):
+        """A pinned buffer for ``b`` now, or (None, "pending" | "none"): evicts the victims
+        the policy names until one fits; a dirty victim is written back first."""
         while True:
             buf = self.pool.try_acquire(b.nbytes)
             if buf is not None:
                 return buf, "ok"
-            if credit[0] >= b.nbytes:
-                credit[0] -= b.nbytes  # a write-back in flight will make room: wait for it
-                return None, "pending"
-            victim = self._pick_victim(b, limit, demand)
-            if victim is None:
-                return None, ("pending" if self._inflight_writes else "none")
+            if credit.claim(b.nbytes):
+                return None, "pending"  # a write-back in flight will make room: wait for it
+            key = self._policy.choose_victim(demand, b.key)
+            if key is None:
+                return None, ("pending" if self._policy.writebacks.in_flight else "none")
+            victim = self._bucket(key)
             if victim.dirty:
                 self._start_write(victim, evict_after=True)
                 return None, "pending"
             self._drop(victim)
-
-    def _pick_victim(self, b: Bucket, limit: float, demand: bool) -> Bucket | None:
-        best, best_rank = None, None
-        for v in self._resident:
-            if v is b or v.refs or v.state != RESIDENT or v.pinned_home or v.write_failed:
-                continue
-            nu = self._next_use(v)
-            if demand and nu <= self.config.prefetch_depth and self._inflight_writes:
-                continue  # prefetched for the next use: wait for the write-backs instead
-            if not demand:
-                # a prefetch never evicts what is needed sooner than what it fetches
-                if limit == INF:
-                    if nu != INF or v.dirty:
-                        continue
-                elif nu <= limit:
-                    continue
-            rank = (nu, not v.dirty, -v.last_use)
-            if best_rank is None or rank > best_rank:
-                best, best_rank = v, rank
-        return best
-
-    def _next_use(self, b: Bucket) -> float:
-        return self._schedule.next_use(b.key) if self._schedule is not None else INF
 
     def _drop(self, b: Bucket, count: bool = True) -> None:
         if b.buf is not None:
@@ -469,14 +453,15 @@ class TieredStore:
         self._resident.discard(b)
         b.state = ABSENT
         b.dirty = False
+        self._policy.withdraw(b.key)
         if count:
             self._stats.current.evictions += 1
 
     def _start_write(self, b: Bucket, evict_after: bool) -> None:
         b.state = WRITING
-        self._set_evict_after(b, evict_after)
+        self._policy.writebacks.start(b.key, b.buf.capacity, evict_after)
+        self._policy.withdraw(b.key)
         b.dirty = False
-        self._inflight_writes += 1
         event, b.d2h_event = b.d2h_event, None
         if event is not None:
             # bytes are still arriving from the GPU: wait on an I/O-side thread, not here
@@ -492,9 +477,7 @@ class TieredStore:
 
     def _write_done(self, b: Bucket, fut) -> None:
         with self._lock:
-            self._inflight_writes -= 1
-            evict = b.evict_after_write and b.refs == 0
-            self._set_evict_after(b, False)
+            evict = self._policy.writebacks.finish(b.key) and b.refs == 0
             err = fut.exception()
             if err is not None:
                 log.error("write-back of %s bucket %d failed: %s", b.array.name, b.index, err)
@@ -509,25 +492,19 @@ class TieredStore:
                     self._drop(b)
                 else:
                     b.state = RESIDENT
+            self._update_candidate(b)
             self._cv.notify_all()
             self._pump()
-
-    def _set_evict_after(self, b: Bucket, value: bool) -> None:
-        if value != b.evict_after_write:
-            self._freeing += b.buf.capacity if value else -b.buf.capacity
-            b.evict_after_write = value
 
     def _pump(self) -> None:
         """Issue reads for the next ``prefetch_depth`` scheduled buckets and queued prefetches."""
         if self._closed:
             return
-        wanted = []
-        if self._schedule is not None and self.config.prefetch_depth:
-            wanted = [self._bucket(k) for k in self._schedule.upcoming(self.config.prefetch_depth)]
+        wanted = [self._bucket(k) for k in self._policy.upcoming()]
         if self._prefetch_queue:
             self._prefetch_queue = [q for q in self._prefetch_queue if q.state == ABSENT]
             wanted += self._prefetch_queue
-        credit = [self._freeing]
+        credit = self._policy.writebacks.credit()
         for b in dict.fromkeys(wanted):  # once each: the next step may start where this ends
             if b.state != ABSENT or b.array.home == "gpu":
                 continue
@@ -568,37 +545,52 @@ class TieredStore:
             b.gpu_offset = None
 
     # -- schedule ------------------------------------------------------------------------------
-    def set_schedule(self, order: list[tuple[str, int]] | None) -> None:
-        """Declare the per-step bucket order (``(array, bucket_index)`` pairs); None clears it."""
+    def set_schedule(self, forward: list[tuple[str, int]] | None,
+                     backward: list[tuple[str, int]] | None = None) -> None:
+        """Declare the per-step bucket orders once: ``forward`` (``(array, bucket_index)``
+        pairs, each bucket at most once) and ``backward``, the same buckets in the order a
+        reversed walk first uses them (default: ``forward`` reversed). With
+        ``alternate_order`` the store walks ``forward`` on even steps and ``backward`` on odd
+        ones, counting from the next ``begin_step``; otherwise ``forward`` every step. None
+        clears the schedule."""
         with self._lock:
-            if order is None:
-                self._schedule = None
+            if forward is None:
+                self._policy.clear()
                 return
-            for name, idx in order:
+            forward = [tuple(k) for k in forward]
+            backward = None if backward is None else [tuple(k) for k in backward]
+            for name, idx in forward + (backward or []):
                 if not 0 <= idx < len(self._array(name).buckets):
                     raise IndexError(f"schedule names bucket {idx} of {name}, which has "
                                      f"{len(self._array(name).buckets)}")
-            self._schedule = Schedule([tuple(k) for k in order], self.config.alternate_order)
-            self._recording = None
+            self._policy.declare(forward, backward)
 
     def begin_step(self) -> list[tuple[str, int]] | None:
-        """Mark a step boundary; returns the bucket order to use in this step.
+        """Mark a step boundary; returns the bucket order to use in this step (the store
+        owns the order: the declared one, alternating when ``alternate_order``;
+        ``step_is_backward`` says which).
 
         Without a declared schedule, the first step's acquire order is recorded and becomes
         the schedule from the second step on (None is returned while recording).
         """
         with self._lock:
-            if self._schedule is None:
-                if self._recording:
-                    self._schedule = Schedule(self._recording, self.config.alternate_order)
-                    self._schedule.step = 0  # the recorded step was step 0 of this order
-                    self._recording = None
-                else:
-                    self._recording, self._recorded = [], set()
-                    return None
-            order = self._schedule.begin_step()
+            order = self._policy.begin_step()
+            if order is None:
+                return None
             self._pump()
             return list(order)
+
+    @property
+    def step_is_backward(self) -> bool:
+        """Whether the step begun last walks the backward order (False while recording)."""
+        with self._lock:
+            return self._policy.step_is_backward
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Write-backs started and not yet landed (write-behind of buckets evicted or flushed)."""
+        with self._lock:
+            return self._policy.writebacks.in_flight
 
     def prefetch(self, ranges) -> None:
         """Start reading the buckets holding ``ranges``: (array, (start, stop)) or (array, index)."""
@@ -630,7 +622,7 @@ class TieredStore:
             names = list(self._arrays) if arrays is None else arrays
             # in the order of the step to come: the buckets it needs first are copied first,
             # so its acquires rarely find one still to copy (a copy on the training thread)
-            sched = self._schedule
+            sched = self._policy.schedule
             order = [self._bucket(k) for k in sched.order_for(sched.step + 1)] if sched else []
             wanted = {b for n in names for b in self._array(n).buckets}
             buckets = [b for b in order if b in wanted]
@@ -651,10 +643,12 @@ class TieredStore:
                         break
                     b.saving = True
                     b.refs += 1
+                    self._update_candidate(b)
                     try:
                         self._make_resident(b, demand=True)
                     except BaseException as e:  # the finally below abandons the rest
                         b.refs -= 1
+                        self._update_candidate(b)
                         b.saving = False
                         snap.fail(e)
                         snap.settle(1)  # the bucket it had claimed
@@ -686,6 +680,7 @@ class TieredStore:
                 b.saving = False
                 if not inline:
                     b.refs -= 1
+                    self._update_candidate(b)
                     self._pump()
                 self._cv.notify_all()
 
@@ -704,7 +699,9 @@ class TieredStore:
                 b.write_failed = False
                 if b.dirty and b.state == RESIDENT:
                     self._start_write(b, evict_after=False)
-            while self._inflight_writes:
+                else:
+                    self._update_candidate(b)
+            while self._policy.writebacks.in_flight:
                 self._cv.wait()
             self._stats.current.io_wait_s += time.monotonic() - t0
             if self._write_errors:
