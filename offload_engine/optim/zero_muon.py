@@ -116,6 +116,7 @@ class ZeroMuon(torch.optim.Optimizer):
         else:
             self.world, self.rank = 1, 0
         self.store_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.prefix = f"rank{self.store_rank}/"
 
         cfg = self._store_config(store)
         describe(infos, self.group, self.world, self.rank,
@@ -125,6 +126,10 @@ class ZeroMuon(torch.optim.Optimizer):
             infos, self.rank, cfg.bucket_bytes, master_for=master_for,
             state_dtype_of=lambda i: torch.float32 if master_for(i) else i.dtype,
             amsgrad_of=lambda i: i.kind == "adamw" and bool(i.group["amsgrad"]))
+        # each walking direction's order of first use; not mirror images of each other,
+        # since a bucket two chunks share is first used where the walk meets it first
+        self._orders = {rev: [(self.array_name(n), b) for n, b in self.layout.step_order(rev)]
+                        for rev in (False, True)}
         self._open_store(store, cfg)
 
         muon_chunks = [c for c in self.layout.chunks if c.kind == "muon"]
@@ -148,9 +153,6 @@ class ZeroMuon(torch.optim.Optimizer):
                                  for s in r.segments), default=0)
         self._scratch: dict = {}
         self._initialized: set[int] = set()
-        self._orders = {rev: [(self.array_name(n), b) for n, b in self.layout.step_order(rev)]
-                        for rev in (False, True)}
-        self._store_steps = 0
         self._order_warned = False
         self._runner = StepRunner(self)
         self.last_step_stats: StepStats | None = None
@@ -168,7 +170,6 @@ class ZeroMuon(torch.optim.Optimizer):
         return cfg
 
     def _open_store(self, store, cfg: StoreConfig) -> None:
-        self.prefix = f"rank{self.store_rank}/"
         # pinned bytes of all state resident at once (each bucket page-rounded, as the pool takes it)
         needed = sum(array_pool_bytes(n, dt, cfg.bucket_bytes) for dt, n in self.layout.arrays.values())
         if store is None:
@@ -200,7 +201,8 @@ class ZeroMuon(torch.optim.Optimizer):
             # short last buckets of NVMe arrays stay acquired when the pool has room for them
             for n, b in kept_tails(self.layout, homes, spare):
                 self._pinned.append(self.store.keep(self.array_name(n), b))
-            self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.step_order(False)])
+            # declared once: from now on the store owns the step order (and its alternation)
+            self.store.set_schedule(self._orders[False], self._orders[True])
             if self.store.root is not None:
                 tensors, shards = store_manifest(self)
                 write_shard_table(self.store.root, self.rank, shards)  # before the table naming it
@@ -245,13 +247,10 @@ class ZeroMuon(torch.optim.Optimizer):
         t0 = time.perf_counter()
         self.exchange.reset_counters()
         ns_before = self.ns.calls
-        reverse = self.store.config.alternate_order and self._store_steps % 2 == 1
-        if self.store.config.alternate_order:
-            # this step's order of first use; a shared bucket's first use moves with the
-            # direction, so the store is told each step instead of reversing on its own
-            self.store.set_schedule(self._orders[reverse])
+        # the store owns the order: this step walks the way it says (alternating with
+        # alternate_order), and the chunks go the same way
         order = self.store.begin_step()
-        self._store_steps += 1
+        reverse = self.store.step_is_backward
         self._check_order(order, reverse)
 
         active, params_flat, grads_flat, steps = set(), {}, {}, {}
