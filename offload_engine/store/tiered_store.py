@@ -2,12 +2,17 @@
 
 Data flow for an NVMe-home bucket: disk --(read, prefetched k ahead)--> pinned buffer
 --(acquire: the view itself on CPU, or a side-stream copy to the GPU)--> user --(release
-dirty)--> pinned buffer --(write-back when evicted or flushed)--> disk. Victims are chosen by
-next use in the recorded schedule, so each bucket not kept resident is read once and
-written once per step, and buckets still cached from the previous step are hits.
+dirty)--> pinned buffer --(write-back when evicted or flushed)--> disk. What to read ahead
+and what to evict is the residency policy's (store/policy.py: next use in the step order the
+store owns), so each bucket not kept resident is read once and written once per step, and
+buckets still cached from the previous step are hits. This module keeps the bucket state
+machine (absent, reading, resident, writing), the pinned pool and the I/O.
 
-Thread safety: one lock guards all bucket state; I/O completions (on I/O threads) take it,
-update state, wake waiters and issue the next prefetches.
+Threads: one lock guards all bucket state. Callers (acquire, release, flush) take it on
+their own threads. I/O completions never do: an I/O thread only posts the completion to the
+store's thread, oe-store (store/completions.py), which takes the lock, updates the bucket,
+wakes waiters and issues the next prefetches. With CUDA, one more thread (oe-copy-wait)
+waits for device->host copies before starting their write-backs, outside the lock.
 """
 
 from __future__ import annotations
@@ -17,17 +22,19 @@ import os
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from ..io import AsyncFileIO, BufferPool, PoolExhaustedError
+from ..io import AsyncFileIO, BufferPool, IOFuture, PoolExhaustedError
 from .. import dtypes
 from ..layout import FlatArray
 from ..layout.store_group import STORE_KEYS, open_store_group, store_array_entry, write_store_group
 from ..layout.striping import stripe_chunks
 from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
+from .completions import CompletionQueue
 from .config import StoreConfig
 from .lock import WriteLock
 from .policy import Credit, ResidencyPolicy
@@ -36,6 +43,7 @@ from .counters import StatsCounter, StoreStats
 
 log = logging.getLogger(__name__)
 
+_THREAD_JOIN_S = 60  # seconds close() waits for each of the store's threads to end
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
 
@@ -102,6 +110,8 @@ class TieredStore:
             try:
                 self._manifest_extra = open_store_group(self.root)
             except Exception:
+                self.io.close()
+                self.pool.close()
                 self._release_locks()
                 raise
         self._lock = threading.RLock()
@@ -117,6 +127,14 @@ class TieredStore:
         self._auto_bytes = {"gpu": 0, "cpu": 0}
         self._snapshot: Snapshot | None = None
         self._closed = False
+        # The store's own thread: I/O threads only post their completions to it, and it
+        # takes the lock, moves bucket states, wakes waiters and issues the next reads.
+        self._completions = CompletionQueue("oe-store")
+        # CUDA only: one thread waits for device->host copies before their write-backs
+        self._copy_waiter = CompletionQueue("oe-copy-wait") if self.gpu is not None else None
+        # a store dropped without close() must not leave its threads waiting forever
+        self._stop_threads = weakref.finalize(self, _stop_queues, self._completions,
+                                              self._copy_waiter)
 
     # -- arrays -----------------------------------------------------------------------------
     def register(self, name: str, dtype: torch.dtype, numel: int, home: str | None = None) -> _Array:
@@ -295,6 +313,7 @@ class TieredStore:
             if dev.type == "cpu":
                 if b.d2h_event is not None:
                     b.d2h_event.synchronize()  # a CPU user after a GPU one: bytes must have landed
+                    self.gpu.events.give(b.d2h_event)
                     b.d2h_event = None
                 tensor = b.host_view(arr.dtype)[start - b.start:stop - b.start]
             else:
@@ -380,11 +399,11 @@ class TieredStore:
             self._cv.wait(remaining)
 
     # -- filling and eviction -----------------------------------------------------------------
-    def _fill(self, b: Bucket, demand: bool, credit: list[int] | None = None) -> str:
+    def _fill(self, b: Bucket, demand: bool, credit: Credit | None = None) -> str:
         """Start bringing ``b`` in: "started", "pending" (space is being freed) or "none".
 
-        ``credit`` holds bytes that write-backs in flight will free and that no earlier
-        caller in this pass has claimed: while it covers ``b``, no further bucket is evicted.
+        ``credit``: bytes that write-backs in flight will free and that no earlier fill of
+        this prefetch pass has claimed: while it covers ``b``, no further bucket is evicted.
         """
         arr = b.array
         if arr.home == "gpu":
@@ -411,11 +430,12 @@ class TieredStore:
             self._cv.notify_all()
             return "started"
         b.state = READING
-        fut = arr.flat.read_into(b.start, b.stop, buf)
-        fut.add_done_callback(lambda f, b=b: self._read_done(b, f))
+        fut = _started(arr.flat.read_into, b.start, b.stop, buf)
+        fut.add_done_callback(lambda f, b=b: self._completions.post(self._read_done, b, f))
         return "started"
 
     def _read_done(self, b: Bucket, fut) -> None:
+        """A read landed (on the store's thread, oe-store)."""
         with self._lock:
             err = fut.exception()
             if err is not None:
@@ -447,6 +467,9 @@ class TieredStore:
             self._drop(victim)
 
     def _drop(self, b: Bucket, count: bool = True) -> None:
+        if b.d2h_event is not None:
+            self.gpu.events.give(b.d2h_event)
+            b.d2h_event = None
         if b.buf is not None:
             self.pool.release(b.buf)
             b.buf = None
@@ -464,18 +487,27 @@ class TieredStore:
         b.dirty = False
         event, b.d2h_event = b.d2h_event, None
         if event is not None:
-            # bytes are still arriving from the GPU: wait on an I/O-side thread, not here
-            threading.Thread(target=self._write_after_event, args=(b, event), daemon=True).start()
+            # bytes are still arriving from the GPU: the copy waiter thread waits for them
+            # (in order: one side stream) and then starts the write, never under this lock
+            self._copy_waiter.post(self._write_after_copy, b, event)
             return
-        fut = b.array.flat.write_from(b.start, b.stop, b.buf)
-        fut.add_done_callback(lambda f, b=b: self._write_done(b, f))
+        self._write(b)
 
-    def _write_after_event(self, b: Bucket, event) -> None:
-        event.synchronize()
-        fut = b.array.flat.write_from(b.start, b.stop, b.buf)
-        fut.add_done_callback(lambda f, b=b: self._write_done(b, f))
+    def _write_after_copy(self, b: Bucket, event) -> None:
+        """On the copy waiter thread: wait for ``b``'s device->host copy, then write it."""
+        try:
+            event.synchronize()
+        finally:
+            self.gpu.events.give(event)
+        self._write(b)
+
+    def _write(self, b: Bucket) -> None:
+        """Start writing ``b``'s buffer home; its outcome reaches ``_write_done`` on oe-store."""
+        fut = _started(b.array.flat.write_from, b.start, b.stop, b.buf)
+        fut.add_done_callback(lambda f, b=b: self._completions.post(self._write_done, b, f))
 
     def _write_done(self, b: Bucket, fut) -> None:
+        """A write-back landed or failed (on the store's thread, oe-store)."""
         with self._lock:
             evict = self._policy.writebacks.finish(b.key) and b.refs == 0
             err = fut.exception()
@@ -536,6 +568,9 @@ class TieredStore:
             return
         b.gpu_users -= 1
         if dirty:
+            if b.d2h_event is not None:
+                # superseded: the new copy runs after it on the same stream
+                self.gpu.events.give(b.d2h_event)
             b.d2h_event = self.gpu.copy_out(b.buf.bytes, self.gpu.view(b.gpu_offset, b.nbytes, torch.uint8))
             self._stats.current.bytes_read["gpu"] += b.nbytes
             self._stats.current.bytes_written["cpu"] += b.nbytes
@@ -671,8 +706,9 @@ class TieredStore:
             if b.array.home == "gpu":
                 tensor = self.gpu.view(b.gpu_offset, b.nbytes, b.array.dtype)
             else:
-                if b.d2h_event is not None:
-                    b.d2h_event.synchronize()
+                event = b.d2h_event  # read once: a write-back may take it meanwhile
+                if event is not None:
+                    event.synchronize()
                 tensor = b.host_view(b.array.dtype)
             snap.copy(b, tensor, inline)
         finally:
@@ -739,7 +775,16 @@ class TieredStore:
         finally:
             with self._lock:
                 self._closed = True
+            # after the flush no write-back waits for a copy; then every I/O ends (and posts
+            # its completion), then the store's thread handles what was posted and ends
+            if self._copy_waiter is not None and not self._copy_waiter.close(_THREAD_JOIN_S):
+                log.warning("store close: the CUDA copy waiter did not end within %d s",
+                            _THREAD_JOIN_S)
             self.io.close()
+            if not self._completions.close(_THREAD_JOIN_S):
+                log.warning("store close: thread oe-store did not end within %d s",
+                            _THREAD_JOIN_S)
+            self._stop_threads.detach()
             self.pool.close()
             self._release_locks()
 
@@ -757,3 +802,21 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _started(start_io, *args) -> IOFuture:
+    """``start_io(*args)``'s future; an error raised at the call comes back through the
+    future too, so the bucket's state machine always hears how its I/O ended."""
+    try:
+        return start_io(*args)
+    except Exception as e:
+        fut = IOFuture()
+        fut.set_running_or_notify_cancel()
+        fut.set_exception(e)
+        return fut
+
+
+def _stop_queues(*queues) -> None:
+    for q in queues:
+        if q is not None:
+            q.stop()
