@@ -298,6 +298,7 @@ class TieredStore:
                 self._update_candidate(b)
                 raise
             while b.saving:  # the snapshot thread is copying it: wait, it may be modified
+                self._snapshot.caught_up = True
                 self._cv.wait()
             copy_first = self._snapshot is not None and self._snapshot.take(b)
             if copy_first:
