@@ -34,7 +34,8 @@ class StoreConfig(BaseModel):
     block_size: Bytes = Field(8 * MiB, description="Bytes per I/O piece; multiple of 4096.")
     prefetch_depth: int = Field(2, ge=0, le=1024, description="Buckets read ahead of use.")
     alternate_order: bool = Field(True, description=(
-        "Reverse the scheduled order every step so buckets still cached are used first."))
+        "Walk the backward order every other step (see set_schedule) so buckets still "
+        "cached are used first."))
     default_home: Literal["auto", "gpu", "cpu", "nvme"] = Field("nvme", description=(
         "Home tier of arrays not named in `homes`; 'auto' fills gpu, then cpu, then nvme."))
     homes: dict[str, Tier] = Field(default_factory=dict, description="Home tier per array name.")

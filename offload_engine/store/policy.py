@@ -307,10 +307,6 @@ class ResidencyPolicy:
         """Time of ``key``'s next use (``StepSchedule.next_use_at``); INF without a schedule."""
         return self.schedule.next_use_at(key) if self.schedule is not None else INF
 
-    def next_use(self, key: Key) -> float:
-        """Uses from now until ``key``'s next one; INF if never or without a schedule."""
-        return self.schedule.next_use(key) if self.schedule is not None else INF
-
     def upcoming(self) -> list[Key]:
         """The buckets to read ahead: the next ``prefetch_depth`` of the schedule."""
         if self.schedule is None or not self.prefetch_depth:
