@@ -498,8 +498,10 @@ class TieredStore:
         """On the copy waiter thread: wait for ``b``'s device->host copy, then write it."""
         try:
             event.synchronize()
-        finally:
-            self.gpu.events.give(event)
+        except Exception as e:  # the write-back fails like an I/O error: flush reports it
+            self._completions.post(self._write_done, b, _failed(e))
+            return
+        self.gpu.events.give(event)
         self._write(b)
 
     def _write(self, b: Bucket) -> None:
@@ -811,10 +813,15 @@ def _started(start_io, *args) -> IOFuture:
     try:
         return start_io(*args)
     except Exception as e:
-        fut = IOFuture()
-        fut.set_running_or_notify_cancel()
-        fut.set_exception(e)
-        return fut
+        return _failed(e)
+
+
+def _failed(error: BaseException) -> IOFuture:
+    """A future that ended with ``error``."""
+    fut = IOFuture()
+    fut.set_running_or_notify_cancel()
+    fut.set_exception(error)
+    return fut
 
 
 def _stop_queues(*queues) -> None:
