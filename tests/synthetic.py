@@ -24,12 +24,10 @@ from offload_engine import dtypes
 from offload_engine.io import AsyncFileIO
 from offload_engine.layout import FlatArray, create_group
 from offload_engine.layout.checksums import chunk_checksums
-from offload_engine.layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, STORE_FORMAT,
-                                            fsdp_rows, shard_entry, tensor_entry, tensor_rows,
-                                            write_shard_table)
+from offload_engine.formats.ours.tensor_table import FORMATS
+from offload_engine.layout.manifest import (MANIFEST_VERSION, fsdp_rows, shard_entry,
+                                            tensor_entry, tensor_rows, write_shard_table)
 from offload_engine.units import MiB
-
-FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
 
 
 class ShardedPlan(NamedTuple):

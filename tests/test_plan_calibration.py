@@ -15,6 +15,11 @@ so buckets are evicted and re-read) and on CPU. Per rank it checks:
   keeps can then depend on whether a write-back is still in flight);
 - files on disk: chunk files equal the plan's exactly, chunk files + zarr.json within 2%;
 - all_to_all bytes, exchange buffers, Newton-Schulz workspace and scratch equal the plan's.
+
+The plan's NVMe bytes come from replaying the step (plan/step_sim.py) with the store's own
+ResidencyPolicy (store/policy.py): the rules are shared, so what this checks is the replay's
+model around them (the pool's extents, the acquire/release sequence, kept tails) against
+the real store, I/O timing included.
 """
 
 import os
@@ -89,9 +94,9 @@ def files_under(path):
 def wait_for_writes(store, timeout=10.0):
     """Let write-behind issued during the step land (so it is counted in that step)."""
     deadline = time.monotonic() + timeout
-    while store._inflight_writes and time.monotonic() < deadline:
+    while store.writes_in_flight and time.monotonic() < deadline:
         time.sleep(0.002)
-    assert not store._inflight_writes
+    assert not store.writes_in_flight
 
 
 CASES = [  # (home, param dtype, master weights, pinned budget in buckets or None)

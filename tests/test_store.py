@@ -3,6 +3,7 @@ import gc
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 
 import numpy as np
 import psutil
@@ -287,6 +288,141 @@ def test_failed_write_back_loses_nothing(tmp_path, monkeypatch):
             h = s.acquire("m", i)
             assert bool((h.tensor == 1).all())
             s.release(h)
+
+
+def test_a_write_back_that_cannot_start_fails_flush_and_close_without_a_hang(tmp_path, monkeypatch):
+    """Creating a chunk file can fail before any I/O is queued (a full disk at fallocate):
+    the bucket keeps its bytes, flush raises, and close still ends (threads, lock)."""
+    s = make_store(tmp_path)
+    s.register("m", torch.float32, 3 * B // 4)
+    run_steps(s, "m", 1)                      # three dirty buckets, no chunk file yet
+
+    def no_space(path, nbytes):
+        raise FileIOError(errno.ENOSPC, "fallocate", path, 0, nbytes)
+
+    monkeypatch.setattr(s.io, "preallocate", no_space)
+    with pytest.raises(FileIOError, match="No space left"):
+        s.flush()
+    h = s.acquire("m", 0)                     # nothing lost
+    assert bool((h.tensor == 1).all())
+    s.release(h)
+    with pytest.raises(FileIOError, match="No space left"):
+        s.close()                             # its flush fails again; it closes anyway
+    assert not s._completions.running
+    make_store(tmp_path).close()              # the write lock was released
+
+
+# -- threads ------------------------------------------------------------------------------------
+class RecordingLock:
+    """An RLock that notes the name of every thread that takes it."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self.takers: set[str] = set()
+
+    def acquire(self, blocking=True, timeout=-1):
+        self.takers.add(threading.current_thread().name)
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+    # threading.Condition uses these when the lock has them (wait() releases an RLock fully)
+    def _release_save(self):
+        return self._lock._release_save()
+
+    def _acquire_restore(self, state):
+        self.takers.add(threading.current_thread().name)
+        self._lock._acquire_restore(state)
+
+    def _is_owned(self):
+        return self._lock._is_owned()
+
+
+def test_io_completions_are_handled_on_the_store_thread_never_under_the_lock_on_io_threads(tmp_path):
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        lock = RecordingLock()
+        s._lock, s._cv = lock, threading.Condition(lock)
+        s.register("m", torch.float32, 10 * B // 4)
+        handled = []
+        for name in ("_read_done", "_write_done"):
+            def record(b, fut, _real=getattr(s, name), _name=name):
+                handled.append((_name, threading.current_thread().name))
+                _real(b, fut)
+            setattr(s, name, record)
+        stats = run_steps(s, "m", 4)              # 10 buckets through a pool of 4
+        s.flush()
+        assert sum(st_.bytes_read["nvme"] for st_ in stats) > 0
+    assert {kind for kind, _ in handled} == {"_read_done", "_write_done"}
+    assert {thread for _, thread in handled} == {"oe-store"}
+    assert "oe-store" in lock.takers
+    io_takers = sorted(t for t in lock.takers if t.startswith("oe-io"))
+    assert io_takers == [], f"I/O threads took the store lock: {io_takers}"
+
+
+def test_chunk_accesses_trust_the_stores_record_instead_of_stat(tmp_path, monkeypatch):
+    """The store knows which chunk files exist: reading and writing buckets never stats them."""
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 10 * B // 4)
+        run_steps(s, "m", 2)
+        s.flush()                                 # every chunk file exists now
+        chunks = str(tmp_path / "m" / "c")
+        stats, real_stat = [], os.stat
+
+        def counting_stat(path, *a, **k):
+            if os.fspath(path).startswith(chunks):
+                stats.append(path)
+            return real_stat(path, *a, **k)
+
+        monkeypatch.setattr(os, "stat", counting_stat)
+        steps = run_steps(s, "m", 3)
+        s.flush()
+        monkeypatch.undo()
+        assert sum(st_.bytes_read["nvme"] for st_ in steps) > 0
+        assert stats == []
+
+
+def test_a_store_dropped_without_close_lets_its_thread_end(tmp_path):
+    s = make_store(tmp_path, cpu_budget=4 * B)
+    s.register("m", torch.float32, 10 * B // 4)
+    run_steps(s, "m", 2)
+    s.flush()
+    thread = s._completions._thread
+    locks, s._locks = s._locks, []            # (released below: the kernel would, at exit)
+    assert thread.is_alive()
+    del s
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive(), "a dropped store's oe-store thread is still waiting"
+    for lock in locks:
+        lock.release()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (never run in CI)")
+def test_cuda_write_backs_wait_on_one_thread_with_reused_events(tmp_path):
+    with make_store(tmp_path, cpu_budget=4 * B, gpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 10 * B // 4)
+        threads_before = threading.active_count()
+        for _ in range(4):                        # 80 copies between host and device
+            order = s.begin_step() or [("m", i) for i in range(10)]
+            for key in order:
+                h = s.acquire(*key, device="cuda")
+                h.tensor.add_(1)
+                s.release(h, dirty=True)
+            assert threading.active_count() == threads_before  # no thread per write-back
+        s.flush()
+        assert "oe-copy-wait" in {t.name for t in threading.enumerate()}
+        assert s.gpu.events.created <= 16, s.gpu.events.created  # not one per copy
+        h = s.acquire("m", 9)                     # a CPU user after GPU ones: bytes landed
+        assert float(h.tensor[0]) == 4.0
+        s.release(h)
+        waiter = s._copy_waiter
+    assert not waiter.running
 
 
 # -- resources stay flat -------------------------------------------------------------------------

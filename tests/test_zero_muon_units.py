@@ -226,13 +226,21 @@ def test_step_store_calls_are_the_ones_the_planner_replays(master):
             calls.append(("release", (h.array.split("/", 1)[1], h._bucket.index)))
             release(h, dirty)
 
+        orders = []
+        begin_step = opt.store.begin_step
+
+        def rec_begin_step():
+            orders.append(begin_step())
+            return orders[-1]
+
         opt.store.acquire, opt.store.release = rec_acquire, rec_release
+        opt.store.begin_step = rec_begin_step
         for step in range(2):
             set_grads(model, ref, step, 0, 1)
             calls.clear()
             opt.step()
             assert calls == step_events(lay, reverse=step == 1), step
-            assert opt.store._schedule.order == opt._orders[step == 1]
+            assert orders[-1] == opt._orders[step == 1]  # the store's order for this step
             first = list(dict.fromkeys(k for kind, k in calls if kind == "acquire"))
             assert first == lay.step_order(step == 1)
 
@@ -258,6 +266,41 @@ def test_llama_state_has_no_bucket_padding(world):
 
 
 # -- store handling ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alternate", [True, False])
+def test_the_store_owns_the_step_order_zero_muon_declares_it_once(tmp_path, alternate):
+    """ZeroMuon declares both walking orders at construction and never again; each step
+    it walks the direction the store chose (alternating with ``alternate_order``)."""
+    from offload_engine.store import TieredStore
+    model, ref = make_pair(MIXED_SHAPES, None)
+    store = TieredStore({"nvme_paths": [str(tmp_path)], "bucket_bytes": 4096,
+                         "cpu_budget": 6 * 4096, "prefetch_depth": 1,
+                         "alternate_order": alternate})
+    declared, firsts = [], []
+    set_schedule, acquire = store.set_schedule, store.acquire
+
+    def rec_set_schedule(*args, **kwargs):
+        declared.append(args)
+        return set_schedule(*args, **kwargs)
+
+    def rec_acquire(name, rng, device="cpu"):
+        firsts.append((name, rng))
+        return acquire(name, rng, device)
+
+    store.set_schedule, store.acquire = rec_set_schedule, rec_acquire
+    with store, ZeroMuon(model.named_parameters(), store=store) as opt:
+        assert len(declared) == 1                         # at construction: both orders
+        assert [list(o) for o in declared[0]] == [opt._orders[False], opt._orders[True]]
+        assert opt._orders[True] != opt._orders[False][::-1], "the case should share buckets"
+        for step in range(4):
+            set_grads(model, ref, step, 0, 1)
+            firsts.clear()
+            opt.step()
+            backward = alternate and step % 2 == 1
+            assert store.step_is_backward is backward
+            assert list(dict.fromkeys(firsts)) == opt._orders[backward], step
+        assert len(declared) == 1, "ZeroMuon re-declared the store's schedule"
+
+
 def test_budget_too_small_and_stale_directory_are_clear_errors(tmp_path):
     model, ref = make_pair(MIXED_SHAPES, None)
     with pytest.raises(ValueError, match="cpu_budget .* too small"):

@@ -39,6 +39,14 @@ from .metadata import (ArrayMetadata, ForeignArrayError, MetadataError, NodeNotF
 DEFAULT_CHUNK_BYTES = 64 * MiB
 
 
+def chunk_bytes_for(numel: int, itemsize: int, chunk_bytes: int) -> int:
+    """Bytes of every chunk file of an array of ``numel`` elements of ``itemsize`` bytes
+    asked to have ``chunk_bytes``-byte chunks: never more than the array's size rounded up
+    to a page (at least one), since edge chunks are stored at full size and a 10-element
+    array should not cost a 64 MiB file."""
+    return min(chunk_bytes, -(-max(numel * itemsize, 1) // PAGE) * PAGE)
+
+
 class ChunkSizeError(FileIOError):
     """A chunk file whose size is not the array's chunk size (bytes); names the file."""
 
@@ -101,10 +109,7 @@ class FlatArray:
                 or chunk_bytes <= 0 or chunk_bytes % PAGE:
             raise ValueError(f"array {path}: chunk_bytes must be a positive multiple of "
                              f"{PAGE} bytes, got {chunk_bytes!r}")
-        # Never more than one (page-rounded) array's worth: a 10-element array should not
-        # cost a 64 MiB file, since edge chunks are stored at full size.
-        array_bytes = max(numel * element.itemsize, 1)
-        chunk_bytes = min(chunk_bytes, -(-array_bytes // PAGE) * PAGE)
+        chunk_bytes = chunk_bytes_for(numel, element.itemsize, chunk_bytes)
         attributes = json_attributes(attributes or {}, f"array {path}")
         if not isinstance(dimension_name, str) or not dimension_name:
             raise ValueError(f"array {path}: dimension_name must be a non-empty string, "

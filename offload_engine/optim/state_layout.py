@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 from .. import dtypes
 from ..dtypes import FLOAT32, DType
+from ..store.geometry import elems_per_bucket
 
 
 class StateKind(enum.Enum):
@@ -193,7 +194,7 @@ class Layout:
         ZeroMuon may keep them acquired for its lifetime (``step_events.kept_tails``)."""
         out = []
         for name, a in self.arrays.items():
-            be = self.bucket_bytes // a.dtype.itemsize
+            be = elems_per_bucket(self.bucket_bytes, a.dtype)
             if a.numel % be:
                 out.append((name, a.numel // be))
         return out
@@ -233,7 +234,7 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
         bundles = per_kind[kind]
         if master and dtype != FLOAT32:
             raise ValueError("with master weights the optimizer state is fp32")
-        cap = bucket_bytes // dtype.itemsize
+        cap = elems_per_bucket(bucket_bytes, dtype)
         cur: list = []
         cur_max = None  # per-rank local sums of the open bundle
         for info in keys[key]:
@@ -259,7 +260,7 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
         sizes = {k.dtype.itemsize for k in c.keys}
         if len(sizes) != 1:
             raise AssertionError(f"arrays {c.arrays} of one bundle differ in element size")
-        be = bucket_bytes // sizes.pop()
+        be = elems_per_bucket(bucket_bytes, sizes.pop())
         if len({cursors.get(n, 0) % be for n in c.arrays}) > 1:
             # the arrays disagree on the position inside a bucket: start them all on a boundary
             for n in c.arrays:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from ..io.align import round_up
+from ..store.geometry import array_pool_bytes
 from .state_layout import StateKind
 
 SLOTS = 3
@@ -151,13 +151,8 @@ def pool_use(layout, homes: dict[str, str], cpu_budget: int) -> PoolUse:
     """How ZeroMuon's pinned pool of ``cpu_budget`` bytes is taken with arrays homed by
     ``homes`` (name -> "cpu" | "nvme"): ZeroMuon refuses a negative ``spare`` and keeps its
     short tails in it; the planner's step replay does the same."""
-    pinned = 0
-    for name, a in layout.arrays.items():
-        if homes[name] == "cpu":
-            size = a.dtype.itemsize
-            be = layout.bucket_bytes // size
-            full, rem = divmod(a.numel, be)
-            pinned += full * round_up(be * size) + round_up(rem * size)
+    pinned = sum(array_pool_bytes(a.numel, a.dtype, layout.bucket_bytes)
+                 for name, a in layout.arrays.items() if homes[name] == "cpu")
     nvme = any(homes[name] == "nvme" and a.numel for name, a in layout.arrays.items())
     work = working_buckets(layout) * layout.bucket_bytes if nvme else 0
     return PoolUse(pinned, work, cpu_budget - pinned - work)

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ..layout.manifest import write_shard_table
 from ..store import StoreConfig, TieredStore
+from ..store.geometry import array_pool_bytes
+from ..units import PAGE
 from .comm import Exchange, plan_exchange
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
 from .muon_defaults import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
@@ -117,6 +119,7 @@ class ZeroMuon(torch.optim.Optimizer):
         else:
             self.world, self.rank = 1, 0
         self.store_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.prefix = f"rank{self.store_rank}/"
 
         cfg = self._store_config(store)
         describe(infos, self.group, self.world, self.rank,
@@ -126,13 +129,14 @@ class ZeroMuon(torch.optim.Optimizer):
             infos, self.rank, cfg.bucket_bytes, master_for=master_for,
             state_dtype_of=lambda i: torch.float32 if master_for(i) else i.dtype,
             amsgrad_of=lambda i: i.kind == "adamw" and bool(i.group["amsgrad"]))
+        # each walking direction's order of first use; not mirror images of each other,
+        # since a bucket two bundles share is first used where the walk meets it first
+        self._orders = {rev: [(self.array_name(n), b) for n, b in self.layout.step_order(rev)]
+                        for rev in (False, True)}
         self._open_store(store, cfg)
 
         self.resources = self._step_resources()
         self._initialized: set[int] = set()
-        self._orders = {rev: [(self.array_name(n), b) for n, b in self.layout.step_order(rev)]
-                        for rev in (False, True)}
-        self._store_steps = 0
         self._order_warned = False
         self._runner = StepRunner(self.resources)
         self.last_step_stats: StepStats | None = None
@@ -181,11 +185,11 @@ class ZeroMuon(torch.optim.Optimizer):
         return cfg
 
     def _open_store(self, store, cfg: StoreConfig) -> None:
-        self.prefix = f"rank{self.store_rank}/"
-        needed = sum(-(-nb // 4096) * 4096 for a in self.layout.arrays.values()
-                     for nb in _bucket_bytes(a.numel, a.dtype.torch, cfg.bucket_bytes))
+        # pinned bytes of all state resident at once (each bucket page-rounded, as the pool takes it)
+        needed = sum(array_pool_bytes(a.numel, a.dtype, cfg.bucket_bytes)
+                     for a in self.layout.arrays.values())
         if store is None:
-            cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, 4096)})
+            cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, PAGE)})
         if self.device.type == "cuda" and not isinstance(store, TieredStore) and cfg.gpu_budget == 0:
             # the step acquires buckets on the parameters' device: the store stages them there
             staging = working_buckets(self.layout) * cfg.bucket_bytes
@@ -213,7 +217,8 @@ class ZeroMuon(torch.optim.Optimizer):
             # short last buckets of NVMe arrays stay acquired when the pool has room for them
             for n, b in kept_tails(self.layout, homes, spare):
                 self._pinned.append(self.store.keep(self.array_name(n), b))
-            self.store.set_schedule([(self.array_name(n), b) for n, b in self.layout.step_order(False)])
+            # declared once: from now on the store owns the step order (and its alternation)
+            self.store.set_schedule(self._orders[False], self._orders[True])
             if self.store.root is not None:
                 tensors, shards = store_manifest(self)
                 write_shard_table(self.store.root, self.rank, shards)  # before the table naming it
@@ -250,13 +255,10 @@ class ZeroMuon(torch.optim.Optimizer):
         t0 = time.perf_counter()
         self.exchange.reset_counters()
         ns_before = self.ns.calls
-        reverse = self.store.config.alternate_order and self._store_steps % 2 == 1
-        if self.store.config.alternate_order:
-            # this step's order of first use; a shared bucket's first use moves with the
-            # direction, so the store is told each step instead of reversing on its own
-            self.store.set_schedule(self._orders[reverse])
+        # the store owns the order: this step walks the way it says (alternating with
+        # alternate_order), and the bundles go the same way
         order = self.store.begin_step()
-        self._store_steps += 1
+        reverse = self.store.step_is_backward
         self._check_order(order, reverse)
 
         active, params_flat, grads_flat, steps = set(), {}, {}, {}
@@ -345,12 +347,6 @@ class ZeroMuon(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _bucket_bytes(numel: int, dtype: torch.dtype, bucket_bytes: int) -> list[int]:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    be = bucket_bytes // itemsize
-    return [(min(s + be, numel) - s) * itemsize for s in range(0, numel, be)]
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 from .. import dtypes
 from ..dtypes import BFLOAT16, FLOAT32, DType
-from ..io.align import round_up
+from ..layout.flat_array import chunk_bytes_for
 from ..layout.group import group_doc
-from ..layout.manifest import MANIFEST_VERSION, SHARDS, STORE_FORMAT, fsdp_rows
+from ..layout.manifest import SHARDS, fsdp_rows
+from ..layout.store_group import store_array_entry, store_group_attributes
 from ..layout.metadata import compact_json, new_array_doc
 from ..optim.muon_defaults import DEFAULT_NS_STEPS
 from ..optim.owners import assign_owners
@@ -34,6 +35,7 @@ from ..optim.params import ParamInfo
 from ..optim.state_layout import ArrayKey, StateKind, build_layout
 from ..optim.step_events import SLOTS
 from ..optim.store_manifest import manifest_tables
+from ..store.geometry import array_pool_bytes, bucket_sizes, elems_per_bucket
 from ..units import MiB
 from .model_shapes import ModelShapes
 
@@ -158,23 +160,21 @@ class ArrayPlan:
 
     @property
     def bucket_elems(self) -> int:
-        return self.bucket_bytes // self.itemsize
+        return elems_per_bucket(self.bucket_bytes, self.dtype)
 
     def buckets(self) -> list[int]:
         """Bytes of each bucket (the last one shorter)."""
-        be, n, size = self.bucket_elems, self.numel, self.itemsize
-        return [(min(s + be, n) - s) * size for s in range(0, n, be)]
+        return bucket_sizes(self.numel, self.dtype, self.bucket_bytes)
 
     @property
     def pinned_bytes(self) -> int:
         """Pool bytes the whole array takes when resident (each bucket page-rounded)."""
-        full, rem = divmod(self.nbytes, self.bucket_elems * self.itemsize)
-        return full * round_up(self.bucket_elems * self.itemsize) + (round_up(rem) if rem else 0)
+        return array_pool_bytes(self.numel, self.dtype, self.bucket_bytes)
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes of each chunk file (FlatArray caps it at the page-rounded array size)."""
-        return min(self.bucket_bytes, round_up(max(self.nbytes, 1)))
+        """Bytes of each chunk file, as FlatArray sizes them for the store's buckets."""
+        return chunk_bytes_for(self.numel, self.itemsize, self.bucket_bytes)
 
     @property
     def nchunks(self) -> int:
@@ -350,13 +350,10 @@ def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
     (the manifest as TieredStore writes it, compact, with ZeroMuon's tensor table from
     ``tables`` = ``rank_tables(...)`` merged into it) and the shard table in
     ``rank{r}/zarr.json``."""
-    attrs = {"format": STORE_FORMAT, "format_version": MANIFEST_VERSION,
-             "arrays": {f"rank0/{a.name}": {"dtype": a.dtype.name,
-                                            "numel": a.numel, "home": "nvme",
-                                            "bucket_elems": a.bucket_elems} for a in arrays},
-             "stripes": stripes}
     root, shards = tables
-    attrs = {**root, "step": 0, **attrs}
+    attrs = store_group_attributes(
+        {f"rank0/{a.name}": store_array_entry(a.dtype.name, a.numel, "nvme", a.bucket_elems)
+         for a in arrays}, stripes, {**root, "step": 0})
     return (len(compact_json(group_doc({SHARDS: shards}))) + 1
             + len(compact_json(group_doc(attrs))) + 1)
 

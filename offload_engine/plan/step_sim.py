@@ -1,41 +1,45 @@
-"""Replay ZeroMuon's per-step acquire/release sequence against the store's residency rules.
+"""Replay ZeroMuon's per-step acquire/release sequence against the store's own residency policy.
 
 Which NVMe buckets are still cached when a step begins decides the step's traffic. It is
 not simply the tail of the previous step's order: ZeroMuon holds the master buckets of up
-to three Muon chunks between its pipeline stages, and a bucket shared by two chunks from
+to three Muon bundles between its pipeline stages, and a bucket shared by two bundles from
 its first use to its last, and a held bucket cannot be evicted, so buckets used while
 others are held are pushed out instead. This module replays, without data, the store
-calls ``optim/pipeline.py`` makes (``optim.step_events.step_events``: per Muon chunk,
+calls ``optim/pipeline.py`` makes (``optim.step_events.step_events``: per Muon bundle,
 acquire each row's momentum (+ master), release the momentum, hold the masters until the
-chunk's apply stage; per AdamW chunk, acquire a row, release it, advance the pipeline one
+bundle's apply stage; per AdamW bundle, acquire a row, release it, advance the pipeline one
 stage) on a model of ``TieredStore``:
 
 - a pool of ``cpu_budget`` bytes with the store's first-fit page-aligned extents
   (``io.extents.Extents``, the class the pool itself uses);
-- prefetch of the next ``prefetch_depth`` scheduled buckets after every acquire and release,
-  never evicting a bucket needed sooner than the one it fetches;
-- eviction by next use in the schedule: ZeroMuon declares each step's order of first use
-  (``Layout.step_order``), and the store takes the next step's to be its reverse (or the
-  same order without ``alternate_order``); a dirty victim is written back first;
+- the store's policy itself (``store.policy.ResidencyPolicy``, the object TieredStore
+  drives): the schedule ZeroMuon declares (``Layout.step_order`` of each walking direction,
+  alternating with ``alternate_order``), prefetch of the next ``prefetch_depth`` scheduled
+  buckets after every acquire and release, never evicting a bucket needed sooner than the
+  one it fetches, and eviction by next use; a dirty victim is written back first;
 - a bucket never written is zero-filled, not read;
 - the short last buckets of the NVMe arrays are acquired once, before the first step, and
   never let go when the pool has room for them (``optim.step_events.kept_tails``, ZeroMuon's
   own rule).
 
 I/O is taken as instantaneous, so a write-back frees its buffer at once (the store waits for
-it). ``tests/test_plan_calibration.py`` checks the result against the store's counters.
+it): no write-back is ever in flight here, and the policy's rules about them (credit, demand
+fills that wait for write-backs) never apply. ``tests/test_plan_calibration.py`` checks the
+result against the store's counters.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
-from ..io.align import ALIGN, round_up
+from ..io.align import round_up
 from ..io.extents import Extents
 from ..optim.step_events import kept_tails, pool_use, step_events
+from ..store.geometry import bucket_sizes, pool_bytes
+from ..store.policy import ResidencyPolicy
 
 
+LOG = []
 @dataclass
 class SimResult:
     read: list[int]       # NVMe bytes read in each simulated step
@@ -44,147 +48,126 @@ class SimResult:
 
 
 class _Bucket:
-    __slots__ = ("key", "nbytes", "need", "home", "offset", "refs", "dirty", "on_disk", "used")
+    """What the replay tracks of one bucket: the store's Bucket without bytes."""
 
-    def __init__(self, key, nbytes, home):
+    __slots__ = ("key", "nbytes", "need", "home", "offset", "refs", "dirty", "on_disk",
+                 "last_use")
+
+    def __init__(self, key, nbytes: int, home: str):
         self.key, self.nbytes, self.home = key, nbytes, home
-        self.need = max(round_up(nbytes), ALIGN)
-        self.offset = None
+        self.need = pool_bytes(nbytes)   # what the pinned pool carves out for it
+        self.offset = None               # extent in the model pool while resident
         self.refs = 0
-        self.dirty = self.on_disk = self.used = False
+        self.dirty = self.on_disk = False
+        self.last_use = 0
+
+
+class _Replay:
+    """A model of TieredStore: the same policy object over a pool of extents, no bytes."""
+
+    def __init__(self, policy: ResidencyPolicy, buckets: dict, pool: Extents, cpu_budget: int):
+        self.policy, self.buckets, self.pool = policy, buckets, pool
+        self.cpu_budget = cpu_budget
+        self.read = self.written = 0
+        self.tick = 0
+
+    def update_candidate(self, b: _Bucket) -> None:
+        """As TieredStore: an unheld resident NVMe bucket may be evicted."""
+        if b.offset is not None and not b.refs and b.home == "nvme":
+            self.policy.offer(b.key, b.dirty, b.last_use)
+        else:
+            self.policy.withdraw(b.key)
+
+    def evict(self, b: _Bucket) -> None:
+        LOG.append(("evict", self.policy.schedule.step if self.policy.schedule else -1, b.key))
+        if b.dirty:            # written back, instantly
+            self.written += b.nbytes
+            b.dirty = False
+            b.on_disk = True
+        self.pool.give(b.offset, b.need)
+        b.offset = None
+        self.policy.withdraw(b.key)
+
+    def fill(self, b: _Bucket, demand: bool) -> bool:
+        """Bring ``b`` into the pool, evicting the policy's victims; False when a prefetch
+        may not evict anything (a demand fill that cannot is a pool too small)."""
+        while True:
+            off = self.pool.take(b.need)
+            if off is not None:
+                LOG.append(("fill", self.policy.schedule.step if self.policy.schedule else -1, b.key, demand))
+                b.offset = off
+                if b.home == "nvme" and b.on_disk:
+                    self.read += b.nbytes   # else zero-filled: nothing read
+                self.update_candidate(b)
+                return True
+            key = self.policy.choose_victim(demand, b.key)
+            if key is None:
+                if demand:
+                    raise RuntimeError(f"pool of {self.cpu_budget} bytes cannot hold the "
+                                       "buckets ZeroMuon holds at once")
+                return False
+            self.evict(self.buckets[key])
+
+    def pump(self) -> None:
+        """Read ahead the policy's upcoming buckets (a bucket once, even where the window runs
+        into the next step)."""
+        for key in dict.fromkeys(self.policy.upcoming()):
+            b = self.buckets[key]
+            if b.offset is not None:
+                continue
+            if not self.fill(b, demand=False):
+                break
+
+    def acquire(self, key) -> None:
+        b = self.buckets[key]
+        self.policy.note_use(key)
+        b.refs += 1
+        self.update_candidate(b)
+        if b.offset is None:
+            self.fill(b, demand=True)
+        self.tick += 1
+        b.last_use = self.tick
+        self.pump()
+
+    def release(self, key) -> None:
+        b = self.buckets[key]
+        b.refs -= 1
+        if b.home == "nvme":
+            b.dirty = True
+        self.update_candidate(b)
+        self.pump()
 
 
 def simulate(layout, arrays: dict, homes: dict[str, str], cpu_budget: int, prefetch_depth: int,
              steps: int = 5, alternate: bool = True) -> SimResult:
     """NVMe bytes read and written in each of ``steps`` optimizer steps (the first one
-    zero-fills). ``arrays``: name -> ArrayPlan; ``homes``: name -> "cpu" | "nvme"."""
-    orders = {rev: layout.step_order(rev) for rev in (False, True)}
-    sizes = {name: a.buckets() for name, a in arrays.items()}
-    buckets = {}
-    for name, b in orders[False]:
-        buckets[(name, b)] = _Bucket((name, b), sizes[name][b], homes.get(name, "nvme"))
-    n = len(orders[False])
-    pool = Extents(round_up(cpu_budget))
+    zero-fills). ``arrays``: name -> ArrayPlan; ``homes``: name -> "cpu" | "nvme";
+    ``cpu_budget``: bytes of the pinned pool."""
+    forward, backward = layout.step_order(False), layout.step_order(True)
+    sizes = {name: bucket_sizes(a.numel, a.itemsize, a.bucket_bytes) for name, a in arrays.items()}
+    buckets = {key: _Bucket(key, sizes[key[0]][key[1]], homes.get(key[0], "nvme"))
+               for key in forward}
+    policy = ResidencyPolicy(prefetch_depth, alternate)
+    sim = _Replay(policy, buckets, Extents(round_up(cpu_budget)), cpu_budget)
     homed = {n: homes.get(n, "nvme") for n in layout.arrays}
     for key in kept_tails(layout, homed, pool_use(layout, homed, cpu_budget).spare):
-        b = buckets[key]       # ZeroMuon acquires these at construction and keeps them
-        b.offset = pool.take(b.need)
-        b.refs = 1
+        sim.acquire(key)       # ZeroMuon keeps these acquired from its construction on
+    policy.declare(forward, backward)  # as ZeroMuon does, once
     events = {False: step_events(layout, False), True: step_events(layout, True)}
     res = SimResult([], [], [])
-    # victims: used this step (by next-step position) beat unused ones (by this-step position)
-    heap_used: list = []    # (-pos_next, key)
-    heap_unused: list = []  # (-pos_cur, key)
-    state = {"read": 0, "written": 0}
-
-    for step in range(steps):
-        reverse = alternate and step % 2 == 1
-        cur = orders[reverse]
-        nxt = cur[::-1] if alternate else cur
-        pos_cur = {k: i for i, k in enumerate(cur)}
-        pos_nxt = {k: i for i, k in enumerate(nxt)}
-        for b in buckets.values():
-            b.used = False
-        heap_unused = [(-pos_cur[b.key], b.key) for b in buckets.values()
-                       if b.offset is not None and b.refs == 0 and b.home == "nvme"]
-        heapq.heapify(heap_unused)
-        heap_used = []
-        cursor = -1
+    for _ in range(steps):
         res.resident.append(sum(b.nbytes for b in buckets.values()
                                 if b.offset is not None and b.home == "nvme"))
-        state["read"] = state["written"] = 0
-
-        def victim(limit_key=None):
-            """Pop the unheld resident NVMe bucket with the furthest next use (None if
-            nothing may go). ``limit_key``: a prefetch of that bucket, which only evicts
-            buckets needed after it."""
-            while heap_used:
-                k = heap_used[0][1]
-                v = buckets[k]
-                if v.offset is None or v.refs or not v.used or -heap_used[0][0] != pos_nxt[k]:
-                    heapq.heappop(heap_used)
-                    continue
-                if limit_key is not None:
-                    lb = buckets[limit_key]
-                    if lb.used and pos_nxt[k] <= pos_nxt[limit_key]:
-                        return None
-                heapq.heappop(heap_used)
-                return v
-            while heap_unused:
-                k = heap_unused[0][1]
-                v = buckets[k]
-                if v.offset is None or v.refs or v.used:
-                    heapq.heappop(heap_unused)
-                    continue
-                if limit_key is not None:
-                    lb = buckets[limit_key]
-                    if lb.used or pos_cur[k] <= pos_cur[limit_key]:
-                        return None
-                heapq.heappop(heap_unused)
-                return v
-            return None
-
-        def evict(v):
-            if v.dirty:
-                state["written"] += v.nbytes
-                v.dirty = False
-                v.on_disk = True
-            pool.give(v.offset, v.need)
-            v.offset = None
-
-        def fill(b, demand: bool) -> bool:
-            while True:
-                off = pool.take(b.need)
-                if off is not None:
-                    b.offset = off
-                    if b.home == "nvme" and b.on_disk:
-                        state["read"] += b.nbytes
-                    return True
-                v = victim(None if demand else b.key)
-                if v is None:
-                    if demand:
-                        raise RuntimeError(f"pool of {cpu_budget} bytes cannot hold the buckets "
-                                           "ZeroMuon holds at once")
-                    return False
-                evict(v)
-
-        def pump():
-            for k in (cur[cursor + 1:cursor + 1 + prefetch_depth]
-                      + nxt[:max(0, prefetch_depth - (n - cursor - 1))]):
-                b = buckets[k]
-                if b.offset is not None:
-                    continue
-                if not fill(b, demand=False):
-                    break
-                if b.home == "nvme" and b.refs == 0:
-                    _push_candidate(b)
-
-        def _push_candidate(b):
-            if b.used:
-                heapq.heappush(heap_used, (-pos_nxt[b.key], b.key))
-            else:
-                heapq.heappush(heap_unused, (-pos_cur[b.key], b.key))
-
-        pump()  # begin_step
-        for kind, key in events[reverse]:
-            b = buckets[key]
+        sim.read = sim.written = 0
+        policy.begin_step()
+        sim.pump()
+        for kind, key in events[policy.step_is_backward]:
             if kind == "acquire":
-                if pos_cur[key] > cursor:
-                    cursor = pos_cur[key]
-                b.used = True
-                b.refs += 1
-                if b.offset is None:
-                    fill(b, demand=True)
-                pump()
+                sim.acquire(key)
             else:
-                b.refs -= 1
-                if b.home == "nvme":
-                    b.dirty = True
-                if b.refs == 0 and b.home == "nvme" and b.offset is not None:
-                    _push_candidate(b)
-                pump()
-        res.read.append(state["read"])
-        res.written.append(state["written"])
+                sim.release(key)
+        res.read.append(sim.read)
+        res.written.append(sim.written)
     return res
 
 

@@ -1,8 +1,32 @@
-"""The tiered store: flat state arrays across GPU, pinned CPU and NVMe (docs/store.md)."""
+"""The tiered store: flat state arrays across GPU, pinned CPU and NVMe (docs/store.md).
+
+Importing the package imports only its configuration schema (pydantic): the planner reads
+``StoreConfig`` and must not pay for torch. Every other name is imported on first use.
+"""
 
 from .config import StoreConfig
-from .lock import StoreLockedError
-from .stats import StoreStats
-from .tiered_store import Handle, TieredStore
 
 __all__ = ["Handle", "StoreConfig", "StoreLockedError", "StoreStats", "TieredStore"]
+
+# name -> the module that defines it, imported when the name is first asked for
+_LAZY = {
+    "Handle": "tiered_store",
+    "TieredStore": "tiered_store",
+    "StoreLockedError": "lock",
+    "StoreStats": "counters",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -27,7 +27,6 @@ class Bucket:
     keeps: int = 0        # of refs, those held by keep() handles (no bytes lent)
     dirty: bool = False   # holds bytes newer than the home tier's
     on_disk: bool = False
-    evict_after_write: bool = False
     write_failed: bool = False
     error: BaseException | None = None
     last_use: int = 0

@@ -11,11 +11,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ValidationError, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from ..units import parse_bytes
+from ..units import PAGE, MiB, parse_bytes
 
 Tier = Literal["gpu", "cpu", "nvme"]
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
-MiB = 1 << 20
 
 
 class StoreConfig(BaseModel):
@@ -35,7 +34,8 @@ class StoreConfig(BaseModel):
     block_size: Bytes = Field(8 * MiB, description="Bytes per I/O piece; multiple of 4096.")
     prefetch_depth: int = Field(2, ge=0, le=1024, description="Buckets read ahead of use.")
     alternate_order: bool = Field(True, description=(
-        "Reverse the scheduled order every step so buckets still cached are used first."))
+        "Walk the backward order every other step (see set_schedule) so buckets still "
+        "cached are used first."))
     default_home: Literal["auto", "gpu", "cpu", "nvme"] = Field("nvme", description=(
         "Home tier of arrays not named in `homes`; 'auto' fills gpu, then cpu, then nvme."))
     homes: dict[str, Tier] = Field(default_factory=dict, description="Home tier per array name.")
@@ -45,8 +45,8 @@ class StoreConfig(BaseModel):
     @field_validator("bucket_bytes", "block_size")
     @classmethod
     def _multiple_of_page(cls, v: int, info) -> int:
-        if v <= 0 or v % 4096:
-            raise ValueError(f"{info.field_name} must be a positive multiple of 4096 bytes, got {v}")
+        if v <= 0 or v % PAGE:
+            raise ValueError(f"{info.field_name} must be a positive multiple of {PAGE} bytes, got {v}")
         return v
 
     @model_validator(mode="after")

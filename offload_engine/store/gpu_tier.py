@@ -2,16 +2,47 @@
 
 Copies run on the side stream and are ordered with the compute stream by events, so the
 host never blocks: the compute stream waits for a copy-in on the GPU, and a copy-out is
-awaited (``event.synchronize()``) only by the I/O thread that writes the bytes to disk.
-Only constructed when ``torch.cuda.is_available()``.
+awaited (``event.synchronize()``) only by the store's copy waiter thread before it writes
+the bytes to disk, or by a CPU user of the same bucket. Events come from a small pool and
+go back to it once waited on, so a step records no new CUDA events.
+Only constructed when ``torch.cuda.is_available()``; never run in CI (no GPU there).
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from ..io.extents import Extents
 from ..io.align import round_up
+from ..io.extents import Extents
+
+
+class EventPool:
+    """Reusable ``torch.cuda.Event`` objects, shared by the threads of one store.
+
+    An event can be taken again once nobody will wait on its last record: right after a
+    ``wait_event`` was enqueued (the wait captures the record it saw), or after a host
+    ``synchronize`` returned. At most ``keep`` free events are kept.
+    """
+
+    def __init__(self, keep: int = 16):
+        self._free: list = []
+        self._lock = threading.Lock()
+        self._keep = keep
+        self.created = 0      # events made so far (flat over a run: they are reused)
+
+    def take(self) -> torch.cuda.Event:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.created += 1
+        return torch.cuda.Event()
+
+    def give(self, event: torch.cuda.Event) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(event)
 
 
 class GpuTier:
@@ -25,6 +56,7 @@ class GpuTier:
         self.arena = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         self.extents = Extents(self.capacity)
         self.stream = torch.cuda.Stream(self.device)
+        self.events = EventPool()
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of ``nbytes`` (rounded to 4096) of free device memory, or None."""
@@ -40,19 +72,21 @@ class GpuTier:
         """Host -> device on the side stream; the current stream waits for it on the GPU."""
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # dst may still be read by earlier kernels
+        done = self.events.take()
         with torch.cuda.stream(self.stream):
             dst.copy_(src_pinned, non_blocking=True)
-            done = torch.cuda.Event()
             done.record(self.stream)
         compute.wait_event(done)
+        self.events.give(done)  # the wait above captured this record: free to record again
 
     def copy_out(self, dst_pinned: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
         """Device -> host on the side stream after the compute stream's pending work;
-        returns the event that marks the host bytes valid."""
+        returns the event that marks the host bytes valid (give it back with
+        ``events.give`` once synchronized)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        done = self.events.take()
         with torch.cuda.stream(self.stream):
             dst_pinned.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
             done.record(self.stream)
         return done
 

@@ -27,6 +27,12 @@ class Snapshot:
     as settled when its copy ends (or, after an error, when it will never be claimed): the
     snapshot is finished when all are settled, not when the background thread runs out of
     buckets to claim (an acquire may still be copying the last one).
+
+    The thread copies in the order of the step to come, so it runs ahead of that step. Once
+    a user has caught up with it (waited for a bucket it was copying), following it would
+    make every acquire wait for the thread's copy of that very bucket; the thread then takes
+    the buckets from the other end instead, and the step copies those it reaches first
+    itself: each side copies, neither waits for the other.
     """
 
     def __init__(self, buckets: list, sink: Sink):
@@ -38,6 +44,7 @@ class Snapshot:
         self.copied = 0
         self.copied_inline = 0             # copied by a user's acquire (copy-on-acquire)
         self.error: BaseException | None = None
+        self.caught_up = False             # a user waited for the thread's copy (store lock)
         self.finished = threading.Event()
         self._settled = 0
         self._count_lock = threading.Lock()
@@ -52,13 +59,20 @@ class Snapshot:
         return True
 
     def next_bucket(self):
-        """The next unclaimed bucket, preferring ones already in memory (no read)."""
+        """The next unclaimed bucket for the background thread (caller holds the store lock):
+        in order, preferring ones already in memory (no read); from the back once a user
+        caught up."""
         while self.pending and self.pending[0] not in self.pending_set:
             self.pending.popleft()
+        while self.pending and self.pending[-1] not in self.pending_set:
+            self.pending.pop()
         if not self.pending or self.error is not None:
             return None
-        chosen = next((b for b in self.pending if b.buf is not None and b in self.pending_set),
-                      self.pending[0])
+        if self.caught_up:
+            chosen = self.pending[-1]
+        else:
+            chosen = next((b for b in self.pending if b.buf is not None and b in self.pending_set),
+                          self.pending[0])
         self.pending_set.discard(chosen)
         return chosen
 

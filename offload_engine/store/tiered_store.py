@@ -2,12 +2,17 @@
 
 Data flow for an NVMe-home bucket: disk --(read, prefetched k ahead)--> pinned buffer
 --(acquire: the view itself on CPU, or a side-stream copy to the GPU)--> user --(release
-dirty)--> pinned buffer --(write-back when evicted or flushed)--> disk. Victims are chosen by
-next use in the recorded schedule, so each bucket not kept resident is read once and
-written once per step, and buckets still cached from the previous step are hits.
+dirty)--> pinned buffer --(write-back when evicted or flushed)--> disk. What to read ahead
+and what to evict is the residency policy's (store/policy.py: next use in the step order the
+store owns), so each bucket not kept resident is read once and written once per step, and
+buckets still cached from the previous step are hits. This module keeps the bucket state
+machine (absent, reading, resident, writing), the pinned pool and the I/O.
 
-Thread safety: one lock guards all bucket state; I/O completions (on I/O threads) take it,
-update state, wake waiters and issue the next prefetches.
+Threads: one lock guards all bucket state. Callers (acquire, release, flush) take it on
+their own threads. I/O completions never do: an I/O thread only posts the completion to the
+store's thread, oe-store (store/completions.py), which takes the lock, updates the bucket,
+wakes waiters and issues the next prefetches. With CUDA, one more thread (oe-copy-wait)
+waits for device->host copies before starting their write-backs, outside the lock.
 """
 
 from __future__ import annotations
@@ -17,26 +22,29 @@ import os
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from ..io import AsyncFileIO, BufferPool, PoolExhaustedError
-from ..layout import FlatArray, create_group, read_group, write_group_attributes
+from ..io import AsyncFileIO, BufferPool, IOFuture, PoolExhaustedError
 from .. import dtypes
-from ..layout.manifest import MANIFEST_VERSION
+from ..layout import FlatArray
+from ..layout.store_group import STORE_KEYS, open_store_group, store_array_entry, write_store_group
+from ..layout.striping import stripe_chunks
+from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
+from .completions import CompletionQueue
 from .config import StoreConfig
 from .lock import WriteLock
-from .schedule import INF, Schedule
+from .policy import Credit, ResidencyPolicy
 from .snapshot import Snapshot
-from .stats import StatsCounter, StoreStats
+from .counters import StatsCounter, StoreStats
 
 log = logging.getLogger(__name__)
 
+_THREAD_JOIN_S = 60  # seconds close() waits for each of the store's threads to end
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
-FORMAT = "offload-engine-store"
-FORMAT_VERSION = MANIFEST_VERSION  # the optimizer's tensor table shares the group (docs/format.md)
 
 
 @dataclass(eq=False)
@@ -96,34 +104,37 @@ class TieredStore:
         except Exception:
             self._release_locks()
             raise
-        if self.root is not None:
-            if os.path.exists(os.path.join(self.root, "zarr.json")):
-                attrs = read_group(self.root)
-                if attrs.get("format", FORMAT) != FORMAT:
-                    self._release_locks()
-                    raise ValueError(f"{self.root} holds a zarr group that is not an offload-engine store")
-            else:
-                create_group(self.root, {"format": FORMAT, "format_version": FORMAT_VERSION, "arrays": {}})
         self._arrays: dict[str, _Array] = {}
-        self._manifest_extra: dict = {}
+        self._manifest_extra: dict = {}  # entries of the layers above (the optimizer's tables)
         if self.root is not None:
-            known = {"format", "format_version", "arrays", "stripes"}
-            self._manifest_extra = {k: v for k, v in read_group(self.root).items() if k not in known}
+            try:
+                self._manifest_extra = open_store_group(self.root)
+            except Exception:
+                self.io.close()
+                self.pool.close()
+                self._release_locks()
+                raise
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._resident: set[Bucket] = set()
         self._prefetch_queue: list[Bucket] = []
-        self._schedule: Schedule | None = None
-        self._recording: list | None = None
-        self._recorded: set = set()
+        # the step order, read-ahead, victims and write-back credit; the store reports to it
+        # every change of a bucket that can make it an eviction candidate or not
+        self._policy = ResidencyPolicy(cfg.prefetch_depth, cfg.alternate_order)
         self._write_errors: list[BaseException] = []
-        self._inflight_writes = 0
-        self._freeing = 0  # bytes that write-backs in flight will return to the pool
         self._tick = 0
         self._stats = StatsCounter()
         self._auto_bytes = {"gpu": 0, "cpu": 0}
         self._snapshot: Snapshot | None = None
         self._closed = False
+        # The store's own thread: I/O threads only post their completions to it, and it
+        # takes the lock, moves bucket states, wakes waiters and issues the next reads.
+        self._completions = CompletionQueue("oe-store")
+        # CUDA only: one thread waits for device->host copies before their write-backs
+        self._copy_waiter = CompletionQueue("oe-copy-wait") if self.gpu is not None else None
+        # a store dropped without close() must not leave its threads waiting forever
+        self._stop_threads = weakref.finalize(self, _stop_queues, self._completions,
+                                              self._copy_waiter)
 
     # -- arrays -----------------------------------------------------------------------------
     def register(self, name: str, dtype: torch.dtype, numel: int, home: str | None = None) -> _Array:
@@ -138,15 +149,15 @@ class TieredStore:
         if numel < 0:
             raise ValueError(f"array {name}: numel must be >= 0, got {numel}")
         dtypes.zarr_dtype(dtypes.dtype(dtype).name)  # raises for a dtype no array can hold
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = geometry.itemsize_of(dtype)
         with self._lock:
             if name in self._arrays:
                 raise ValueError(f"array {name} is already registered")
             home = self._choose_home(name, home, numel * itemsize)
-            bucket_elems = self.config.bucket_bytes // itemsize
+            bucket_elems = geometry.elems_per_bucket(self.config.bucket_bytes, itemsize)
             arr = _Array(name, dtype, numel, itemsize, home, bucket_elems, [])
-            for i, start in enumerate(range(0, numel, bucket_elems)):
-                stop = min(start + bucket_elems, numel)
+            spans = geometry.bucket_spans(numel, itemsize, self.config.bucket_bytes)
+            for i, (start, stop) in enumerate(spans):
                 arr.buckets.append(Bucket(arr, i, start, stop, (stop - start) * itemsize,
                                           pinned_home=home in ("cpu", "gpu")))
             if home == "nvme":
@@ -180,7 +191,8 @@ class TieredStore:
 
     def _open_or_create(self, arr: _Array) -> FlatArray:
         path = os.path.join(self.root, arr.name)
-        if os.path.exists(os.path.join(path, "zarr.json")):
+        reopened = os.path.exists(os.path.join(path, "zarr.json"))
+        if reopened:
             flat = FlatArray.open(path, io=self.io, mode="r+")
             if (flat.dtype != arr.dtype or flat.numel != arr.numel
                     or (flat.chunk_elems != arr.bucket_elems and len(arr.buckets) > 1)):
@@ -192,43 +204,29 @@ class TieredStore:
             flat = FlatArray.create(path, arr.numel, arr.dtype, io=self.io,
                                     chunk_bytes=self.config.bucket_bytes,
                                     attributes={"offload_engine": {"home": "nvme"}})
-        self._stripe(arr, flat)
+        stripe_chunks(flat, arr.name, self._stripes)
+        # asked once here (an array just made has no chunk files); from now on the store is
+        # the array's only writer, so reads and writes trust this record, and the chunks
+        # they create, instead of asking the file system at every access
+        present = ({i for i in range(flat.nchunks) if os.path.exists(flat.chunk_path(i))}
+                   if reopened else set())
+        flat.track_chunks(present)
+        ce = flat.chunk_elems
         for b in arr.buckets:
-            b.on_disk = os.path.exists(flat.chunk_path(b.index))
+            b.on_disk = any(c in present for c in range(b.start // ce, -(-b.stop // ce)))
         return flat
 
-    def _stripe(self, arr: _Array, flat: FlatArray) -> None:
-        """Put chunk i on nvme path i % n: a symlink at the zarr key points at the file, so
-        zarr-python and tensorstore still find every chunk at ``<array>/c/<i>``."""
-        n = len(self._stripes)
-        if n <= 1:
-            return
-        for b in arr.buckets:
-            stripe = b.index % n
-            if stripe == 0:
-                continue
-            link = flat.chunk_path(b.index)
-            target = os.path.join(self._stripes[stripe], "stripes", arr.name, "c", str(b.index))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.makedirs(os.path.dirname(link), exist_ok=True)
-            if not os.path.islink(link):
-                if os.path.exists(link):  # a plain chunk from an unstriped run: keep it there
-                    continue
-                os.symlink(target, link)
-
     def _write_manifest(self) -> None:
-        arrays = {a.name: {"dtype": dtypes.dtype(a.dtype).name, "numel": a.numel, "home": a.home,
-                           "bucket_elems": a.bucket_elems}
+        arrays = {a.name: store_array_entry(dtypes.dtype(a.dtype).name, a.numel, a.home,
+                                            a.bucket_elems)
                   for a in self._arrays.values() if a.home == "nvme"}
-        write_group_attributes(self.root, {**self._manifest_extra, "format": FORMAT,
-                                           "format_version": FORMAT_VERSION,
-                                           "arrays": arrays, "stripes": self._stripes})
+        write_store_group(self.root, arrays, self._stripes, self._manifest_extra)
 
     def update_manifest(self, entries: dict) -> None:
         """Merge ``entries`` (JSON-serialisable) into the store's manifest (the group
         attributes, docs/format.md), e.g. the optimizer's ``tensors``, ``world_size`` and
         ``step``; rewritten atomically. The store's own keys cannot be overridden."""
-        reserved = {"format", "format_version", "arrays", "stripes"} & set(entries)
+        reserved = STORE_KEYS & set(entries)
         if reserved:
             raise ValueError(f"manifest keys {sorted(reserved)} belong to the store")
         with self._lock:
@@ -289,15 +287,18 @@ class TieredStore:
             raise ValueError(f"array {name} lives on the GPU; acquire it with a CUDA device")
         with self._lock:
             self._check_open()
-            self._note_use(b)
+            self._policy.note_use(b.key)
             t0 = time.monotonic()
             b.refs += 1  # from now on: not a victim, even while we wait for its read
+            self._update_candidate(b)
             try:
                 waited = self._make_resident(b, demand=True)
             except BaseException:
                 b.refs -= 1
+                self._update_candidate(b)
                 raise
             while b.saving:  # the snapshot thread is copying it: wait, it may be modified
+                self._snapshot.caught_up = True
                 self._cv.wait()
             copy_first = self._snapshot is not None and self._snapshot.take(b)
             if copy_first:
@@ -313,6 +314,7 @@ class TieredStore:
             if dev.type == "cpu":
                 if b.d2h_event is not None:
                     b.d2h_event.synchronize()  # a CPU user after a GPU one: bytes must have landed
+                    self.gpu.events.give(b.d2h_event)
                     b.d2h_event = None
                 tensor = b.host_view(arr.dtype)[start - b.start:stop - b.start]
             else:
@@ -347,15 +349,17 @@ class TieredStore:
             b.refs -= 1
             if dirty and b.array.home == "nvme":
                 b.dirty = True
+            self._update_candidate(b)
             self._pump()
             self._cv.notify_all()
 
-    def _note_use(self, b: Bucket) -> None:
-        if self._schedule is not None:
-            self._schedule.mark_used(b.key)
-        elif self._recording is not None and b.key not in self._recorded:
-            self._recording.append(b.key)
-            self._recorded.add(b.key)
+    def _update_candidate(self, b: Bucket) -> None:
+        """Tell the policy whether ``b`` may be evicted now (after any change of its state,
+        references, dirtiness or write failure)."""
+        if b.state == RESIDENT and not b.refs and not b.pinned_home and not b.write_failed:
+            self._policy.offer(b.key, b.dirty, b.last_use)
+        else:
+            self._policy.withdraw(b.key)
 
     def _make_resident(self, b: Bucket, demand: bool) -> bool:
         """Bring ``b`` into its buffer; returns whether the caller had to wait."""
@@ -380,7 +384,7 @@ class TieredStore:
                 if status == "none" and self._write_errors:
                     raise self._write_errors[0]
             elif b.state == WRITING:
-                self._set_evict_after(b, False)  # needed again: keep it once the write lands
+                self._policy.writebacks.keep(b.key)  # needed again: keep it once the write lands
             elif b.state == READING and not counted:
                 self._stats.current.hits += 1  # prefetched: the read was already on its way
                 counted = True
@@ -396,11 +400,11 @@ class TieredStore:
             self._cv.wait(remaining)
 
     # -- filling and eviction -----------------------------------------------------------------
-    def _fill(self, b: Bucket, demand: bool, credit: list[int] | None = None) -> str:
+    def _fill(self, b: Bucket, demand: bool, credit: Credit | None = None) -> str:
         """Start bringing ``b`` in: "started", "pending" (space is being freed) or "none".
 
-        ``credit`` holds bytes that write-backs in flight will free and that no earlier
-        caller in this pass has claimed: while it covers ``b``, no further bucket is evicted.
+        ``credit``: bytes that write-backs in flight will free and that no earlier fill of
+        this prefetch pass has claimed: while it covers ``b``, no further bucket is evicted.
         """
         arr = b.array
         if arr.home == "gpu":
@@ -412,7 +416,9 @@ class TieredStore:
             b.state = RESIDENT
             self._stats.current.zero_fills += 1
             return "started"
-        buf, status = self._get_buffer(b, demand, [self._freeing] if credit is None else credit)
+        if credit is None:
+            credit = self._policy.writebacks.credit()
+        buf, status = self._get_buffer(b, demand, credit)
         if buf is None:
             return status
         b.buf = buf
@@ -420,15 +426,17 @@ class TieredStore:
         if arr.home != "nvme" or not b.on_disk:
             buf.bytes.zero_()  # first touch: zeros, nothing read, nothing written
             b.state = RESIDENT
+            self._update_candidate(b)
             self._stats.current.zero_fills += 1
             self._cv.notify_all()
             return "started"
         b.state = READING
-        fut = arr.flat.read_into(b.start, b.stop, buf)
-        fut.add_done_callback(lambda f, b=b: self._read_done(b, f))
+        fut = _started(arr.flat.read_into, b.start, b.stop, buf)
+        fut.add_done_callback(lambda f, b=b: self._completions.post(self._read_done, b, f))
         return "started"
 
     def _read_done(self, b: Bucket, fut) -> None:
+        """A read landed (on the store's thread, oe-store)."""
         with self._lock:
             err = fut.exception()
             if err is not None:
@@ -436,83 +444,75 @@ class TieredStore:
                 self._drop(b, count=False)
             else:
                 b.state = RESIDENT
+                self._update_candidate(b)
                 self._stats.current.bytes_read["nvme"] += b.nbytes
             self._cv.notify_all()
             self._pump()
 
-    def _get_buffer(self, b: Bucket, demand: bool, credit: list[int]):
-        limit = INF if demand else self._next_use(b)
+    def _get_buffer(self, b: Bucket, demand: bool, credit: Credit):
+        """A pinned buffer for ``b`` now, or (None, "pending" | "none"): evicts the victims
+        the policy names until one fits; a dirty victim is written back first."""
         while True:
             buf = self.pool.try_acquire(b.nbytes)
             if buf is not None:
                 return buf, "ok"
-            if credit[0] >= b.nbytes:
-                credit[0] -= b.nbytes  # a write-back in flight will make room: wait for it
-                return None, "pending"
-            victim = self._pick_victim(b, limit, demand)
-            if victim is None:
-                return None, ("pending" if self._inflight_writes else "none")
+            if credit.claim(b.nbytes):
+                return None, "pending"  # a write-back in flight will make room: wait for it
+            key = self._policy.choose_victim(demand, b.key)
+            if key is None:
+                return None, ("pending" if self._policy.writebacks.in_flight else "none")
+            victim = self._bucket(key)
             if victim.dirty:
                 self._start_write(victim, evict_after=True)
                 return None, "pending"
             self._drop(victim)
 
-    def _pick_victim(self, b: Bucket, limit: float, demand: bool) -> Bucket | None:
-        best, best_rank = None, None
-        for v in self._resident:
-            if v is b or v.refs or v.state != RESIDENT or v.pinned_home or v.write_failed:
-                continue
-            nu = self._next_use(v)
-            if demand and nu <= self.config.prefetch_depth and self._inflight_writes:
-                continue  # prefetched for the next use: wait for the write-backs instead
-            if not demand:
-                # a prefetch never evicts what is needed sooner than what it fetches
-                if limit == INF:
-                    if nu != INF or v.dirty:
-                        continue
-                elif nu <= limit:
-                    continue
-            rank = (nu, not v.dirty, -v.last_use)
-            if best_rank is None or rank > best_rank:
-                best, best_rank = v, rank
-        return best
-
-    def _next_use(self, b: Bucket) -> float:
-        return self._schedule.next_use(b.key) if self._schedule is not None else INF
-
     def _drop(self, b: Bucket, count: bool = True) -> None:
+        if b.d2h_event is not None:
+            self.gpu.events.give(b.d2h_event)
+            b.d2h_event = None
         if b.buf is not None:
             self.pool.release(b.buf)
             b.buf = None
         self._resident.discard(b)
         b.state = ABSENT
         b.dirty = False
+        self._policy.withdraw(b.key)
         if count:
             self._stats.current.evictions += 1
 
     def _start_write(self, b: Bucket, evict_after: bool) -> None:
         b.state = WRITING
-        self._set_evict_after(b, evict_after)
+        self._policy.writebacks.start(b.key, b.buf.capacity, evict_after)
+        self._policy.withdraw(b.key)
         b.dirty = False
-        self._inflight_writes += 1
         event, b.d2h_event = b.d2h_event, None
         if event is not None:
-            # bytes are still arriving from the GPU: wait on an I/O-side thread, not here
-            threading.Thread(target=self._write_after_event, args=(b, event), daemon=True).start()
+            # bytes are still arriving from the GPU: the copy waiter thread waits for them
+            # (in order: one side stream) and then starts the write, never under this lock
+            self._copy_waiter.post(self._write_after_copy, b, event)
             return
-        fut = b.array.flat.write_from(b.start, b.stop, b.buf)
-        fut.add_done_callback(lambda f, b=b: self._write_done(b, f))
+        self._write(b)
 
-    def _write_after_event(self, b: Bucket, event) -> None:
-        event.synchronize()
-        fut = b.array.flat.write_from(b.start, b.stop, b.buf)
-        fut.add_done_callback(lambda f, b=b: self._write_done(b, f))
+    def _write_after_copy(self, b: Bucket, event) -> None:
+        """On the copy waiter thread: wait for ``b``'s device->host copy, then write it."""
+        try:
+            event.synchronize()
+        except Exception as e:  # the write-back fails like an I/O error: flush reports it
+            self._completions.post(self._write_done, b, _failed(e))
+            return
+        self.gpu.events.give(event)
+        self._write(b)
+
+    def _write(self, b: Bucket) -> None:
+        """Start writing ``b``'s buffer home; its outcome reaches ``_write_done`` on oe-store."""
+        fut = _started(b.array.flat.write_from, b.start, b.stop, b.buf)
+        fut.add_done_callback(lambda f, b=b: self._completions.post(self._write_done, b, f))
 
     def _write_done(self, b: Bucket, fut) -> None:
+        """A write-back landed or failed (on the store's thread, oe-store)."""
         with self._lock:
-            self._inflight_writes -= 1
-            evict = b.evict_after_write and b.refs == 0
-            self._set_evict_after(b, False)
+            evict = self._policy.writebacks.finish(b.key) and b.refs == 0
             err = fut.exception()
             if err is not None:
                 log.error("write-back of %s bucket %d failed: %s", b.array.name, b.index, err)
@@ -527,25 +527,19 @@ class TieredStore:
                     self._drop(b)
                 else:
                     b.state = RESIDENT
+            self._update_candidate(b)
             self._cv.notify_all()
             self._pump()
-
-    def _set_evict_after(self, b: Bucket, value: bool) -> None:
-        if value != b.evict_after_write:
-            self._freeing += b.buf.capacity if value else -b.buf.capacity
-            b.evict_after_write = value
 
     def _pump(self) -> None:
         """Issue reads for the next ``prefetch_depth`` scheduled buckets and queued prefetches."""
         if self._closed:
             return
-        wanted = []
-        if self._schedule is not None and self.config.prefetch_depth:
-            wanted = [self._bucket(k) for k in self._schedule.upcoming(self.config.prefetch_depth)]
+        wanted = [self._bucket(k) for k in self._policy.upcoming()]
         if self._prefetch_queue:
             self._prefetch_queue = [q for q in self._prefetch_queue if q.state == ABSENT]
             wanted += self._prefetch_queue
-        credit = [self._freeing]
+        credit = self._policy.writebacks.credit()
         for b in dict.fromkeys(wanted):  # once each: the next step may start where this ends
             if b.state != ABSENT or b.array.home == "gpu":
                 continue
@@ -577,6 +571,9 @@ class TieredStore:
             return
         b.gpu_users -= 1
         if dirty:
+            if b.d2h_event is not None:
+                # superseded: the new copy runs after it on the same stream
+                self.gpu.events.give(b.d2h_event)
             b.d2h_event = self.gpu.copy_out(b.buf.bytes, self.gpu.view(b.gpu_offset, b.nbytes, torch.uint8))
             self._stats.current.bytes_read["gpu"] += b.nbytes
             self._stats.current.bytes_written["cpu"] += b.nbytes
@@ -586,37 +583,52 @@ class TieredStore:
             b.gpu_offset = None
 
     # -- schedule ------------------------------------------------------------------------------
-    def set_schedule(self, order: list[tuple[str, int]] | None) -> None:
-        """Declare the per-step bucket order (``(array, bucket_index)`` pairs); None clears it."""
+    def set_schedule(self, forward: list[tuple[str, int]] | None,
+                     backward: list[tuple[str, int]] | None = None) -> None:
+        """Declare the per-step bucket orders once: ``forward`` (``(array, bucket_index)``
+        pairs, each bucket at most once) and ``backward``, the same buckets in the order a
+        reversed walk first uses them (default: ``forward`` reversed). With
+        ``alternate_order`` the store walks ``forward`` on even steps and ``backward`` on odd
+        ones, counting from the next ``begin_step``; otherwise ``forward`` every step. None
+        clears the schedule."""
         with self._lock:
-            if order is None:
-                self._schedule = None
+            if forward is None:
+                self._policy.clear()
                 return
-            for name, idx in order:
+            forward = [tuple(k) for k in forward]
+            backward = None if backward is None else [tuple(k) for k in backward]
+            for name, idx in forward + (backward or []):
                 if not 0 <= idx < len(self._array(name).buckets):
                     raise IndexError(f"schedule names bucket {idx} of {name}, which has "
                                      f"{len(self._array(name).buckets)}")
-            self._schedule = Schedule([tuple(k) for k in order], self.config.alternate_order)
-            self._recording = None
+            self._policy.declare(forward, backward)
 
     def begin_step(self) -> list[tuple[str, int]] | None:
-        """Mark a step boundary; returns the bucket order to use in this step.
+        """Mark a step boundary; returns the bucket order to use in this step (the store
+        owns the order: the declared one, alternating when ``alternate_order``;
+        ``step_is_backward`` says which).
 
         Without a declared schedule, the first step's acquire order is recorded and becomes
         the schedule from the second step on (None is returned while recording).
         """
         with self._lock:
-            if self._schedule is None:
-                if self._recording:
-                    self._schedule = Schedule(self._recording, self.config.alternate_order)
-                    self._schedule.step = 0  # the recorded step was step 0 of this order
-                    self._recording = None
-                else:
-                    self._recording, self._recorded = [], set()
-                    return None
-            order = self._schedule.begin_step()
+            order = self._policy.begin_step()
+            if order is None:
+                return None
             self._pump()
             return list(order)
+
+    @property
+    def step_is_backward(self) -> bool:
+        """Whether the step begun last walks the backward order (False while recording)."""
+        with self._lock:
+            return self._policy.step_is_backward
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Write-backs started and not yet landed (write-behind of buckets evicted or flushed)."""
+        with self._lock:
+            return self._policy.writebacks.in_flight
 
     def prefetch(self, ranges) -> None:
         """Start reading the buckets holding ``ranges``: (array, (start, stop)) or (array, index)."""
@@ -648,7 +660,7 @@ class TieredStore:
             names = list(self._arrays) if arrays is None else arrays
             # in the order of the step to come: the buckets it needs first are copied first,
             # so its acquires rarely find one still to copy (a copy on the training thread)
-            sched = self._schedule
+            sched = self._policy.schedule
             order = [self._bucket(k) for k in sched.order_for(sched.step + 1)] if sched else []
             wanted = {b for n in names for b in self._array(n).buckets}
             buckets = [b for b in order if b in wanted]
@@ -669,10 +681,12 @@ class TieredStore:
                         break
                     b.saving = True
                     b.refs += 1
+                    self._update_candidate(b)
                     try:
                         self._make_resident(b, demand=True)
                     except BaseException as e:  # the finally below abandons the rest
                         b.refs -= 1
+                        self._update_candidate(b)
                         b.saving = False
                         snap.fail(e)
                         snap.settle(1)  # the bucket it had claimed
@@ -695,8 +709,9 @@ class TieredStore:
             if b.array.home == "gpu":
                 tensor = self.gpu.view(b.gpu_offset, b.nbytes, b.array.dtype)
             else:
-                if b.d2h_event is not None:
-                    b.d2h_event.synchronize()
+                event = b.d2h_event  # read once: a write-back may take it meanwhile
+                if event is not None:
+                    event.synchronize()
                 tensor = b.host_view(b.array.dtype)
             snap.copy(b, tensor, inline)
         finally:
@@ -704,6 +719,7 @@ class TieredStore:
                 b.saving = False
                 if not inline:
                     b.refs -= 1
+                    self._update_candidate(b)
                     self._pump()
                 self._cv.notify_all()
 
@@ -722,7 +738,9 @@ class TieredStore:
                 b.write_failed = False
                 if b.dirty and b.state == RESIDENT:
                     self._start_write(b, evict_after=False)
-            while self._inflight_writes:
+                else:
+                    self._update_candidate(b)
+            while self._policy.writebacks.in_flight:
                 self._cv.wait()
             self._stats.current.io_wait_s += time.monotonic() - t0
             if self._write_errors:
@@ -760,7 +778,16 @@ class TieredStore:
         finally:
             with self._lock:
                 self._closed = True
+            # after the flush no write-back waits for a copy; then every I/O ends (and posts
+            # its completion), then the store's thread handles what was posted and ends
+            if self._copy_waiter is not None and not self._copy_waiter.close(_THREAD_JOIN_S):
+                log.warning("store close: the CUDA copy waiter did not end within %d s",
+                            _THREAD_JOIN_S)
             self.io.close()
+            if not self._completions.close(_THREAD_JOIN_S):
+                log.warning("store close: thread oe-store did not end within %d s",
+                            _THREAD_JOIN_S)
+            self._stop_threads.detach()
             self.pool.close()
             self._release_locks()
 
@@ -778,3 +805,26 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _started(start_io, *args) -> IOFuture:
+    """``start_io(*args)``'s future; an error raised at the call comes back through the
+    future too, so the bucket's state machine always hears how its I/O ended."""
+    try:
+        return start_io(*args)
+    except Exception as e:
+        return _failed(e)
+
+
+def _failed(error: BaseException) -> IOFuture:
+    """A future that ended with ``error``."""
+    fut = IOFuture()
+    fut.set_running_or_notify_cancel()
+    fut.set_exception(error)
+    return fut
+
+
+def _stop_queues(*queues) -> None:
+    for q in queues:
+        if q is not None:
+            q.stop()

@@ -1,0 +1,67 @@
+"""One thread that runs posted work in order: the store's way of hearing about I/O.
+
+Calls go one way. An I/O worker thread (or the CUDA copy waiter) that finishes a request
+only posts the store's handler here and returns; the handler runs on this queue's own
+thread (``oe-store`` for the store), which takes the store lock, updates bucket state,
+wakes waiters and issues the next reads. So no I/O thread ever waits for the store lock,
+and the store never runs its state machine on a thread it does not own.
+
+The thread holds no reference to what it runs between two items, so an owner dropped
+without ``close()`` can be collected (its finalizer should call ``stop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+_STOP = None
+
+
+class CompletionQueue:
+    """A FIFO of calls run one at a time on a daemon thread named ``name``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_run, args=(self._queue, name), name=name,
+                                        daemon=True)
+        self._thread.start()
+
+    def post(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the queue's thread, after everything posted before. Never
+        blocks; callable from any thread, the queue's own included."""
+        self._queue.put((fn, args))
+
+    def stop(self) -> None:
+        """Let the thread end once it has run what was posted before (does not wait)."""
+        self._queue.put(_STOP)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Run what was posted, then end the thread; wait up to ``timeout`` seconds (None:
+        until it ends). Returns whether it ended. Not from the queue's own thread."""
+        self.stop()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def _run(q: queue.SimpleQueue, name: str) -> None:
+    while True:
+        item = q.get()
+        if item is _STOP:
+            return
+        fn, args = item
+        del item
+        try:
+            fn(*args)
+        except BaseException:  # the thread must outlive a failing handler: waiters rely on it
+            log.exception("%s: a posted call failed", name)
+        del fn, args  # hold nothing of the owner while idle
