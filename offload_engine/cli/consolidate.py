@@ -43,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="re-read the output with the safetensors library and compare it with "
                         "the checkpoint; exit 1 on any difference")
     p.add_argument("--window-size", default="64MiB",
-                   help="bytes per reusable I/O buffer; at most 6 are in use at once "
+                   help="bytes per reusable I/O buffer; at most 5 are in use at once "
                         "(default: 64MiB)")
     p.set_defaults(run=run)
     return p

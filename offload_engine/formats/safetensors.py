@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..dtypes import DType, from_safetensors
 from ..io import AsyncFileIO
 from ..io.align import as_byte_view
+from ..layout.metadata import parse_json_object
 from .errors import FormatError
 from .source import SourceBase, SourceInfo, TensorMeta
 
@@ -79,12 +80,7 @@ def read_header(path: str, *, check_data: bool = True
         raise FormatError(f"{path}: cannot read: {e.strerror or e}") from None
     if len(raw) < n:
         raise FormatError(f"{path}: header cut short ({len(raw)} of {n} bytes; truncated)")
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise FormatError(f"{path}: header is not a JSON object")
+    doc = parse_json_object(raw, f"{path}: the header", FormatError)
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
         raise FormatError(f"{path}: __metadata__ is not an object")

@@ -66,12 +66,7 @@ def read_node(node_path: str | os.PathLike, kind: str = "node") -> dict:
                                 f"{where} (expected {file})") from None
     except OSError as e:
         raise MetadataError(f"cannot read {file}: {e}") from e
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MetadataError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise MetadataError(f"{file} must hold a JSON object, found {type(doc).__name__}")
+    doc = parse_json_object(raw, file, MetadataError)
     if "zarr_format" not in doc:
         raise MetadataError(f"{file} has no 'zarr_format' key")
     if doc["zarr_format"] != 3:
@@ -82,6 +77,17 @@ def read_node(node_path: str | os.PathLike, kind: str = "node") -> dict:
                             f"'array' or 'group'")
     if not isinstance(doc.get("attributes", {}), dict):
         raise MetadataError(f"{file}: 'attributes' must be a JSON object")
+    return doc
+
+
+def parse_json_object(raw: bytes, what: str, error: type[Exception]) -> dict:
+    """``raw`` parsed as a JSON object; ``error`` naming ``what`` (a file) otherwise."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise error(f"{what} must hold a JSON object, found {type(doc).__name__}")
     return doc
 
 

@@ -116,21 +116,21 @@ class Exchange:
 
     def forward(self, slot: int, plan: ExchangePlan):
         """Start sending U to the owners; returns the Work (None for a local bundle)."""
-        if plan.local:
-            return None
-        send, recv = self.buffers(slot, plan)
-        self._count(plan.send_splits, plan.recv_splits)
-        return dist.all_to_all_single(recv, send, plan.recv_splits, plan.send_splits,
-                                      group=self.group, async_op=True)
+        return self._start(slot, plan, backward=False)
 
     def backward(self, slot: int, plan: ExchangePlan):
         """Start returning O (written over U in the receive buffer) to the row holders."""
+        return self._start(slot, plan, backward=True)
+
+    def _start(self, slot: int, plan: ExchangePlan, backward: bool):
+        """One all_to_all; the way back swaps the buffers' and the splits' roles."""
         if plan.local:
             return None
         send, recv = self.buffers(slot, plan)
-        self._count(plan.recv_splits, plan.send_splits)
-        return dist.all_to_all_single(send, recv, plan.send_splits, plan.recv_splits,
-                                      group=self.group, async_op=True)
+        out, inp = (plan.recv_splits, plan.send_splits) if backward else (plan.send_splits, plan.recv_splits)
+        src, dst = (recv, send) if backward else (send, recv)
+        self._count(out, inp)
+        return dist.all_to_all_single(dst, src, inp, out, group=self.group, async_op=True)
 
     def _count(self, out_splits: list[int], in_splits: list[int]) -> None:
         self.calls += 1
