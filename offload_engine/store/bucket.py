@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,10 +31,10 @@ class Bucket:
     error: BaseException | None = None
     last_use: int = 0
     d2h_event: Any = None  # torch.cuda.Event guarding buf after a copy from the GPU
+    h2d_event: Any = None  # torch.cuda.Event: a copy from buf to the GPU has read it
     pinned_home: bool = False  # cpu/gpu home: never evicted
     gpu_users: int = 0
     saving: bool = False   # being copied for a snapshot: users wait before changing it
-    extra: dict = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, int]:

@@ -21,9 +21,11 @@ from ..io.extents import Extents
 class EventPool:
     """Reusable ``torch.cuda.Event`` objects, shared by the threads of one store.
 
-    An event can be taken again once nobody will wait on its last record: right after a
-    ``wait_event`` was enqueued (the wait captures the record it saw), or after a host
-    ``synchronize`` returned. At most ``keep`` free events are kept.
+    An event can be taken again once nobody will wait on its last record: after a host
+    ``synchronize`` returned, or once every ``wait_event`` on it was enqueued (a wait
+    captures the record it saw). Every event of a store is recorded on its one side stream,
+    so a late ``synchronize`` on a record that was reused waits for a later copy on that
+    stream, never returns early. At most ``keep`` free events are kept.
     """
 
     def __init__(self, keep: int = 16):
@@ -68,8 +70,11 @@ class GpuTier:
     def view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         return self.arena[offset:offset + nbytes].view(dtype)
 
-    def copy_in(self, dst: torch.Tensor, src_pinned: torch.Tensor) -> None:
-        """Host -> device on the side stream; the current stream waits for it on the GPU."""
+    def copy_in(self, dst: torch.Tensor, src_pinned: torch.Tensor) -> torch.cuda.Event:
+        """Host -> device on the side stream; the current stream waits for it on the GPU.
+        Returns the event that marks ``src_pinned`` read: the host must not reuse those
+        pinned bytes (evict the bucket, read another one into them) before it has
+        completed (give it back with ``events.give`` once synchronized)."""
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # dst may still be read by earlier kernels
         done = self.events.take()
@@ -77,7 +82,7 @@ class GpuTier:
             dst.copy_(src_pinned, non_blocking=True)
             done.record(self.stream)
         compute.wait_event(done)
-        self.events.give(done)  # the wait above captured this record: free to record again
+        return done
 
     def copy_out(self, dst_pinned: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
         """Device -> host on the side stream after the compute stream's pending work;

@@ -316,9 +316,16 @@ class TieredStore:
                     b.d2h_event.synchronize()  # a CPU user after a GPU one: bytes must have landed
                     self.gpu.events.give(b.d2h_event)
                     b.d2h_event = None
+                self._settle_h2d(b)  # and must not change them while a copy reads them
                 tensor = b.host_view(arr.dtype)[start - b.start:stop - b.start]
             else:
-                tensor = self._stage_on_gpu(b)[start - b.start:stop - b.start]
+                try:
+                    tensor = self._stage_on_gpu(b)[start - b.start:stop - b.start]
+                except BaseException:  # gpu tier full: the bucket is not lent after all
+                    b.refs -= 1
+                    self._update_candidate(b)
+                    self._cv.notify_all()
+                    raise
         return Handle(name, start, stop, dev, tensor, b)
 
     def keep(self, name: str, index: int) -> Handle:
@@ -467,10 +474,19 @@ class TieredStore:
                 return None, "pending"
             self._drop(victim)
 
+    def _settle_h2d(self, b: Bucket) -> None:
+        """Wait until a copy of ``b``'s pinned bytes to the GPU has read them (before the
+        buffer is freed, or changed by a CPU user)."""
+        if b.h2d_event is not None:
+            b.h2d_event.synchronize()
+            self.gpu.events.give(b.h2d_event)
+            b.h2d_event = None
+
     def _drop(self, b: Bucket, count: bool = True) -> None:
         if b.d2h_event is not None:
             self.gpu.events.give(b.d2h_event)
             b.d2h_event = None
+        self._settle_h2d(b)  # the pool may hand the buffer to the next read at once
         if b.buf is not None:
             self.pool.release(b.buf)
             b.buf = None
@@ -560,7 +576,8 @@ class TieredStore:
                 raise RuntimeError(f"gpu tier full: cannot stage {b.array.name} bucket {b.index} "
                                    f"({b.nbytes} bytes); raise gpu_budget")
             b.gpu_offset = off
-            self.gpu.copy_in(self.gpu.view(off, b.nbytes, torch.uint8), b.buf.bytes)
+            self._settle_h2d(b)
+            b.h2d_event = self.gpu.copy_in(self.gpu.view(off, b.nbytes, torch.uint8), b.buf.bytes)
             self._stats.current.bytes_read["cpu"] += b.nbytes
             self._stats.current.bytes_written["gpu"] += b.nbytes
         b.gpu_users += 1
