@@ -151,13 +151,17 @@ def itemsize(value) -> int:
 
 
 def _foreign_name(value) -> str | None:
+    if value is None:  # numpy would read None as float64
+        return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     np = sys.modules.get("numpy")
     if np is not None:
         try:
-            return np.dtype(value).name
+            found = np.dtype(value)
         except TypeError:
             return None
+        # the table's types are little endian: a big-endian dtype is not one of them
+        return None if found.byteorder == ">" else found.name
     return None

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import os
+
+import google_crc32c
 from typing import NamedTuple
 
 import torch
@@ -23,11 +25,39 @@ import torch
 from offload_engine import dtypes
 from offload_engine.io import AsyncFileIO
 from offload_engine.layout import FlatArray, create_group
-from offload_engine.layout.checksums import chunk_checksums
 from offload_engine.formats.ours.tensor_table import FORMATS
 from offload_engine.layout.manifest import (MANIFEST_VERSION, fsdp_rows, shard_entry,
                                             tensor_entry, tensor_rows, write_shard_table)
 from offload_engine.units import MiB
+
+
+# What a checkpoint records for an array, computed by reading its files back (the engine's
+# writers checksum the bytes from memory as they write them): a test's independent check.
+PIECE = 8 << 20
+
+
+def file_crc32c(path: str) -> int:
+    """CRC-32C of the whole file at ``path`` (unsigned 32-bit)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            piece = f.read(PIECE)  # bytes: what the C extension takes
+            if not piece:
+                return crc
+            crc = google_crc32c.extend(crc, piece)
+
+
+def chunk_checksums(flat) -> list[int | None]:
+    """What a checkpoint records for the FlatArray ``flat``: the crc32c of every chunk
+    file in chunk order, ``None`` for a chunk file that does not exist."""
+    out: list[int | None] = []
+    for i in range(flat.nchunks):
+        path = flat.chunk_path(i)
+        try:
+            out.append(file_crc32c(path))
+        except FileNotFoundError:
+            out.append(None)
+    return out
 
 
 class ShardedPlan(NamedTuple):

@@ -101,7 +101,7 @@ def test_deepspeed_against_ours(fixture, tmp_path, capsys):
     # one changed value is found, and a tolerance wide enough accepts it
     from offload_engine.layout import FlatArray
     from offload_engine.io import AsyncFileIO
-    from offload_engine.layout.checksums import chunk_checksums
+    from synthetic import chunk_checksums
     from offload_engine.layout import read_group, write_group_attributes
     gen = os.path.join(tmp_path / "ours", "step-00000002")
     with AsyncFileIO() as io:

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from offload_engine.layout.checksums import SequentialChunkCrc, file_crc32c
+from offload_engine.layout.checksums import SequentialChunkCrc
+from synthetic import file_crc32c
 from offload_engine.checkpoint.staged_writer import BLOCK_BYTES, StagedWriter, StagingBlocks
 from offload_engine.io import AsyncFileIO
 from offload_engine.layout import FlatArray

@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     window = parse_size(args.window_size)
     dtype = args.dtype
     with open_source(args.src, args.tag) as source:
+        if source.info.kind == "store":
+            raise ValueError(f"{args.src}: a live store directory holds optimizer state, not "
+                             f"the model's weights; consolidate a checkpoint (save_checkpoint)")
         progress = ProgressLine() if sys.stderr.isatty() else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
                              window_bytes=window, exclude_frozen=args.exclude_frozen,

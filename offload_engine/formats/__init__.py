@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from .detect import detect, detect_with_manifest
 from .errors import CheckpointError, FormatError
-from .source import (KIND_LABELS, ReadRequest, SourceBase, SourceInfo, StateMeta, TensorMeta,
+from .source import (KIND_LABELS, ReadRequest, SourceInfo, StateMeta, TensorMeta,
                      TensorSource)
 
 
-def open_source(path: str, generation: str | None = None, **options) -> SourceBase:
+def open_source(path: str, generation: str | None = None, **options) -> TensorSource:
     """Open ``path`` as whatever kind it is (``detect``); ``generation`` picks a checkpoint
     generation or a DeepSpeed tag instead of the one ``latest`` names. ``options``
     (``window_bytes``, ``depth``) tune reads of our stores and checkpoints."""
@@ -30,5 +30,5 @@ def open_source(path: str, generation: str | None = None, **options) -> SourceBa
     return SafetensorsSource(target)
 
 
-__all__ = ["CheckpointError", "FormatError", "KIND_LABELS", "ReadRequest", "SourceBase",
-           "SourceInfo", "StateMeta", "TensorMeta", "TensorSource", "detect", "open_source"]
+__all__ = ["CheckpointError", "FormatError", "KIND_LABELS", "ReadRequest", "SourceInfo",
+           "StateMeta", "TensorMeta", "TensorSource", "detect", "open_source"]

@@ -18,21 +18,35 @@ dir of ``*_optim_states.pt``           ``deepspeed`` (that tag folder)
 from __future__ import annotations
 
 import os
-import re
 
+from ..layout.generations import PARTIAL
+from .deepspeed.files import is_optim_file
 from .errors import FormatError
 from .latest import LATEST, read_latest
-from .ours.reader import gc_paused, read_manifest_attrs
-from .ours.tensor_table import FORMATS
-
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+from .ours.tensor_table import FORMATS, gc_paused, read_manifest_attrs
 
 
 def _is_ds_tag(d: str) -> bool:
     try:
-        return any(_OPTIM.match(f) for f in os.listdir(d))
+        return any(is_optim_file(f) for f in os.listdir(d))
     except OSError:
         return False
+
+
+def _says_checkpoint(d: str) -> bool:
+    """Whether ``d`` looks like a generation of ours, from the first bytes of its zarr.json
+    (the manifest names its format first): a hint for an error message, so neither a large
+    manifest nor a broken one is parsed for it."""
+    try:
+        with open(os.path.join(d, "zarr.json"), "rb") as f:
+            return f'"format":"{FORMATS["checkpoint"]}"'.encode() in f.read(4096)
+    except OSError:
+        return False
+
+
+def _not_torn(name: str, where: str) -> None:
+    if name.endswith(PARTIAL):
+        raise FormatError(f"{where}: {name!r} is a torn (uncommitted) generation")
 
 
 def _group_attrs(d: str) -> dict | None:
@@ -79,6 +93,7 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
         raise FormatError(f"{path}: not a safetensors file (*.safetensors) or index "
                            f"(*.index.json)")
     if generation is not None:
+        _not_torn(generation, path)
         target = os.path.join(path, generation)
         if not os.path.isdir(target):
             raise FormatError(f"{target}: generation or tag folder {generation!r} not found")
@@ -88,6 +103,8 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
             return "deepspeed", path, generation
         raise FormatError(f"{target}: neither a checkpoint generation nor a DeepSpeed tag folder")
     fmt = _group_format(path, seen)
+    if fmt == FORMATS["checkpoint"]:
+        _not_torn(os.path.basename(path), path)
     if fmt == FORMATS["store"]:
         return "store", path, None
     if fmt == FORMATS["checkpoint"]:
@@ -97,6 +114,7 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
                            f"are not an offload-engine manifest (format {fmt!r})")
     if os.path.isfile(os.path.join(path, LATEST)):
         name = read_latest(path)
+        _not_torn(name, os.path.join(path, LATEST))
         target = os.path.join(path, name)
         if not os.path.isdir(target):
             raise FormatError(f"{os.path.join(path, 'latest')} names {name!r}, but {target} "
@@ -111,9 +129,9 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
         return "deepspeed", os.path.dirname(path), os.path.basename(path)
     # generations or tag folders without 'latest': say which, before any safetensors beside
     # them (DeepSpeed's folder may hold a consolidated copy) is taken for the input
-    tags = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)) and (
-        _is_ds_tag(os.path.join(path, d))
-        or _group_format(os.path.join(path, d)) == FORMATS["checkpoint"]))
+    tags = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))
+                  and not d.endswith(PARTIAL)
+                  and (_is_ds_tag(os.path.join(path, d)) or _says_checkpoint(os.path.join(path, d))))
     if tags:
         raise FormatError(f"{os.path.join(path, 'latest')}: no 'latest' file; pass --tag "
                           f"(generations or tag folders here: {', '.join(tags)})")

@@ -4,11 +4,11 @@ A ``.pt`` file written by ``torch.save`` is an uncompressed zip: ``<prefix>/data
 the pickled object tree, and every tensor storage is a separate record
 ``<prefix>/data/<key>``. This module unpickles ``data.pkl`` with an allow-list and returns
 the tree with every tensor replaced by a ``TensorRef`` (storage key, dtype, offset, shape,
-stride; dtypes are ``offload_engine.dtypes`` entries: neither torch nor ml_dtypes is imported). No storage byte
-is read here: callers ``pread`` exactly the records and ranges they need, at the byte
-offsets ``PtArchive.record_span`` gives. That is how the DeepSpeed
-reader guarantees the Adam moments (``exp_avg``, ``exp_avg_sq``) are never read: their
-storages only ever exist as ``StorageRef`` keys.
+stride; dtypes are ``offload_engine.dtypes`` entries: neither torch nor ml_dtypes is
+imported). No storage byte is read here: callers ``pread`` exactly the records and ranges
+they need, at the byte offsets ``PtArchive.record_span`` gives. That is how the DeepSpeed
+reader guarantees that consolidating (masters only) never reads a byte of the Adam moments
+(``exp_avg``, ``exp_avg_sq``), which inspect, diff and export read when asked for.
 
 Security: ``pickle`` executes whatever callable a file names. ``RestrictedUnpickler`` only
 resolves globals on an explicit allow-list (containers, torch storage/dtype markers, tensor

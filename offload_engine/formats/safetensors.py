@@ -25,7 +25,7 @@ from ..io import AsyncFileIO
 from ..io.align import as_byte_view
 from ..layout.metadata import parse_json_object
 from .errors import FormatError
-from .source import SourceBase, SourceInfo, TensorMeta
+from .source import TensorSource, SourceInfo, TensorMeta
 
 MAX_HEADER = 100 * 1000 * 1000  # bytes: the safetensors crate's limit
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,12 +33,15 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class HeaderEntry:
-    """One tensor of a header: bytes ``[begin, end)`` of the data region."""
+    """One tensor of a header: bytes ``[begin, end)`` of the data region. ``dtype`` is None
+    only from a shapes-only read (``check_data=False``) of a code outside our table;
+    ``code`` is the header's own spelling."""
 
-    dtype: DType
+    dtype: DType | None
     shape: tuple[int, ...]
     begin: int
     end: int
+    code: str = ""
 
 
 # -- the codec -------------------------------------------------------------------------------------
@@ -60,8 +63,9 @@ def read_header(path: str, *, check_data: bool = True
                 ) -> tuple[dict[str, HeaderEntry], dict[str, str], int]:
     """``(entries, __metadata__, data start)`` of the file at ``path``, every entry checked
     (dtype known, shape and offsets well formed). With ``check_data`` the offsets must
-    also match the shape and fit the file's size; without it only names, dtypes and shapes
-    count, and a file cut off after its header is fine (the planner reads shapes only).
+    also match the shape and fit the file's size. Without it only names and shapes count
+    (the planner's use): a file cut off after its header is fine, and so are a dtype code
+    outside our table (``dtype`` None, e.g. a quantisation format) and absent offsets.
     FormatError naming the file otherwise."""
     try:
         size = os.path.getsize(path)
@@ -89,12 +93,17 @@ def read_header(path: str, *, check_data: bool = True
     for name, e in doc.items():
         if not isinstance(e, dict):
             raise FormatError(f"{path}: entry {name!r} is not an object")
+        code = e.get("dtype")
         try:
-            dt = from_safetensors(e.get("dtype"))
+            dt = from_safetensors(code)
         except ValueError:
-            raise FormatError(f"{path}: tensor {name!r} has unsupported dtype "
-                              f"{e.get('dtype')!r}") from None
+            if check_data or not isinstance(code, str):
+                raise FormatError(f"{path}: tensor {name!r} has unsupported dtype "
+                                  f"{code!r}") from None
+            dt = None
         shape, offs = e.get("shape"), e.get("data_offsets")
+        if offs is None and not check_data:
+            offs = [0, 0]
         if (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)
                 or not isinstance(offs, list) or len(offs) != 2
                 or not all(type(o) is int for o in offs)):
@@ -105,7 +114,7 @@ def read_header(path: str, *, check_data: bool = True
             raise FormatError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}) do not "
                               f"fit its shape {shape} x {e['dtype']} in {data_size} data bytes "
                               f"(truncated file?)")
-        entries[name] = HeaderEntry(dt, tuple(shape), begin, end)
+        entries[name] = HeaderEntry(dt, tuple(shape), begin, end, code)
     return entries, {k: v for k, v in meta.items() if isinstance(v, str)}, 8 + n
 
 
@@ -113,13 +122,14 @@ def read_index(index: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """``(shard files in name order, weight_map, metadata strings)`` of a
     ``model.safetensors.index.json``; FormatError naming it (or a missing shard)."""
     try:
-        with open(index, encoding="utf-8") as f:
-            doc = json.load(f)
+        with open(index, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise FormatError(f"{index}: file not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{index}: not valid JSON ({e})") from None
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    except OSError as e:
+        raise FormatError(f"{index}: cannot read: {e.strerror or e}") from None
+    doc = parse_json_object(raw, index, FormatError)
+    wm = doc.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise FormatError(f"{index}: no 'weight_map' {{name: file}}; not a safetensors index")
     base = os.path.dirname(index)
@@ -130,11 +140,13 @@ def read_index(index: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
             raise FormatError(f"{p}: shard named in {os.path.basename(index)} is missing")
         files.append(p)
     meta = doc.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise FormatError(f"{index}: 'metadata' must be an object")
     return files, wm, {k: v for k, v in meta.items() if isinstance(v, str)}
 
 
 # -- the reader ------------------------------------------------------------------------------------
-class SafetensorsSource(SourceBase):
+class SafetensorsSource(TensorSource):
     """One .safetensors file, a sharded index, or a folder holding either. Every tensor has
     one state, ``param``."""
 
@@ -187,7 +199,7 @@ class SafetensorsSource(SourceBase):
     def read(self, requests) -> None:
         futures = []
         for req in requests:
-            where = self._where.get(req.name)
+            where = self._where.get(self._aliases.get(req.name, req.name))
             if where is None or req.state not in (None, "param"):
                 raise FormatError(f"{self.info.path}: no tensor {req.name!r} with state "
                                   f"{req.state!r}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from ..dtypes import DType, dtype as as_dtype
 from ..units import MiB
@@ -94,14 +94,13 @@ class TensorMeta:
 
     def value_state(self) -> str:
         """The state ``consolidate`` writes for this tensor: ``master`` where the format
-        keeps one (DeepSpeed), else ``param``, else the only state."""
+        keeps one (DeepSpeed), else ``param``. A tensor with neither (optimizer state
+        alone, as a live store keeps it) has no value to write: FormatError."""
         for s in VALUE_STATES:
             if s in self.states:
                 return s
-        if len(self.states) == 1:
-            return next(iter(self.states))
-        raise FormatError(f"tensor {self.name!r} has no value state (states: "
-                          f"{', '.join(self.states)})")
+        raise FormatError(f"tensor {self.name!r} holds no weights, only "
+                          f"{', '.join(self.states)}")
 
 
 @dataclass
@@ -140,34 +139,19 @@ class ReadRequest:
     state: str | None = None
 
 
-class TensorSource(Protocol):
-    """What every format reader offers (see the module docstring)."""
-
-    info: SourceInfo
-
-    def tensors(self) -> Sequence[TensorMeta]:
-        """Every tensor, in the format's key order; no aliases."""
-
-    def aliases(self) -> dict[str, str]:
-        """Tied names: ``{alias: owner}``, every owner among ``tensors()``."""
-
-    def read(self, requests: Sequence[ReadRequest]) -> None:
-        """Fill every request; errors name the file and what is wrong."""
-
-    def close(self) -> None:
-        """Release files, threads and buffers."""
-
-
 # visit(data, pieces): ``data`` a 1-D torch tensor of a state's dtype; ``pieces`` a list of
 # (key index, lo, hi): data[lo:hi] are elements of key ``keys[key index]``.
 Visit = Callable[[object, list], None]
 Progress = Callable[[int, int], None]
 
 
-class SourceBase:
-    """What every reader shares: look-ups by name, single reads, a generic ``scan``, and
-    the context manager. Subclasses set ``info`` and implement ``tensors``, ``read`` and
-    ``close`` (and ``aliases`` where the format ties names)."""
+class TensorSource:
+    """What every format reader is: a reader sets ``info`` and implements ``tensors()``
+    (every tensor, in the format's key order; no aliases), ``read(requests)`` (fill every
+    ``ReadRequest``; errors name the file and what is wrong) and ``close()``, and
+    ``aliases()`` (``{alias: owner}``) where the format ties names. It inherits look-ups by
+    name, single reads, a generic ``scan`` and the context manager. (``consolidate`` needs
+    only ``tensors``, ``aliases`` and ``read``: any object with those serves it.)"""
 
     info: SourceInfo
 

@@ -19,24 +19,14 @@ import google_crc32c
 import numpy as np
 
 from ..io.align import as_byte_view
+from ..units import MiB
 
-PIECE = 8 << 20  # bytes read at a time
+PIECE = 8 * MiB  # bytes of zeros checksummed at a time
 
 
 class ChecksumError(ValueError):
     """A chunk file that does not match what the checkpoint recorded at save time: other
     bytes, missing although it had data, or present although it had none."""
-
-
-def file_crc32c(path: str) -> int:
-    """CRC-32C of the whole file at ``path`` (unsigned 32-bit)."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            piece = f.read(PIECE)  # bytes: what the C extension takes
-            if not piece:
-                return crc
-            crc = google_crc32c.extend(crc, piece)
 
 
 def crc32c_extend(crc: int, data) -> int:
@@ -105,19 +95,6 @@ class SequentialChunkCrc:
         if self.pos % self.chunk_bytes:
             self.done.append(crc32c_extend_zeros(self.crc, self.chunk_bytes - self.pos % self.chunk_bytes))
         return self.done
-
-
-def chunk_checksums(flat) -> list[int | None]:
-    """What a checkpoint records for the FlatArray ``flat``: the crc32c of every chunk
-    file in chunk order, ``None`` for a chunk file that does not exist."""
-    out: list[int | None] = []
-    for i in range(flat.nchunks):
-        path = flat.chunk_path(i)
-        try:
-            out.append(file_crc32c(path))
-        except FileNotFoundError:
-            out.append(None)
-    return out
 
 
 def mismatch(path: str, actual: int, expected: int, what: str = "") -> ChecksumError:

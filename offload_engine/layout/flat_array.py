@@ -206,6 +206,11 @@ class FlatArray:
         """True when the engine moves chunk bytes itself; False: zarr-python reads, no writes."""
         return self._meta.direct_problem is None
 
+    @property
+    def foreign_problem(self) -> str | None:
+        """Why the engine does not move this array's bytes itself (None when it does)."""
+        return self._meta.direct_problem
+
     def chunk_path(self, i: int) -> str:
         """File of chunk ``i`` (0 <= i < nchunks), e.g. ``<path>/c/3``."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.nchunks:
@@ -237,7 +242,7 @@ class FlatArray:
             return IOFuture.completed(0)
         if not self.direct:
             return self._slow_read(start, stop, view)
-        plan = [(span, self._chunk_state(span[0], "read")) for span in self._spans(start, stop)]
+        plan = [(span, self.chunk_state(span[0], "read")) for span in self._spans(start, stop)]
         futures = []
         for (chunk, chunk_off, buf_off, length), present in plan:
             piece = view[buf_off:buf_off + length]
@@ -350,13 +355,16 @@ class FlatArray:
                                  f"{nbytes // self.itemsize}")
             view = as_byte_view(buf)
         elif isinstance(buf, np.ndarray):
-            if buf.dtype.itemsize != self.itemsize:
+            # raw bytes (uint8), or elements of the array's own type (a bfloat16 array of
+            # ml_dtypes included: numpy cannot export it through the buffer protocol)
+            if buf.dtype != np.uint8 and dtypes.lookup(buf.dtype) != self.element:
                 raise ValueError(f"{where} has dtype {buf.dtype}, the array holds "
                                  f"{self.element}")
-            view = as_byte_view(buf)  # bfloat16 arrays have no buffer protocol of their own
+            if not buf.flags.c_contiguous:
+                raise ValueError(f"{where} is not contiguous")
+            view = as_byte_view(buf)
             if len(view) < nbytes:
-                raise ValueError(f"{where} has {buf.size} elements; the range needs "
-                                 f"{nbytes // self.itemsize}")
+                raise ValueError(f"{where} holds {len(view)} bytes; the range needs {nbytes}")
         elif isinstance(buf, PooledBuffer):
             if buf.nbytes < nbytes:
                 raise ValueError(f"{where} is a pooled buffer of {buf.nbytes} bytes; the range "
@@ -395,8 +403,10 @@ class FlatArray:
         error of the read itself (a short file is a TruncatedFileError naming it)."""
         self._present = {int(i) for i in present}
 
-    def _chunk_state(self, chunk: int, op: str) -> bool:
-        """True if chunk ``chunk`` has its file, False if absent; error if the size is wrong."""
+    def chunk_state(self, chunk: int, op: str = "read") -> bool:
+        """True if chunk ``chunk`` has its file, False if absent (it reads as the fill value);
+        a file of the wrong size is an error naming it (TruncatedChunkError when short,
+        ChunkSizeError when long; ``op`` words it)."""
         if self._present is not None:
             return chunk in self._present
         path = self.chunk_path(chunk)
@@ -421,7 +431,7 @@ class FlatArray:
     def _ensure_chunk(self, chunk: int) -> bool:
         """Create chunk ``chunk`` at full size if absent; True when it was created."""
         with self._create_lock:
-            if self._chunk_state(chunk, "write"):
+            if self.chunk_state(chunk, "write"):
                 return False
             path = self.chunk_path(chunk)
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -86,6 +86,8 @@ def parse_json_object(raw: bytes, what: str, error: type[Exception]) -> dict:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise error(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise error(f"{what} is not valid JSON: nested too deeply") from None
     if not isinstance(doc, dict):
         raise error(f"{what} must hold a JSON object, found {type(doc).__name__}")
     return doc

@@ -6,7 +6,7 @@ checkpoints, DeepSpeed ZeRO-1/2/3, safetensors); each tensor's ``value_state()``
 (DeepSpeed's fp32 masters, else the parameter).
 
 Data flow: the whole output (headers, offsets, file sizes) is planned from metadata first
-(``safetensors_writer``). Each file is then cut into windows of ``window_bytes``, starting
+(``hf_shards``). Each file is then cut into windows of ``window_bytes``, starting
 at byte 0 (the first window carries the header); a window never spans two files, and a
 large tensor spans several windows. A reader thread fills window k+1 (source reads, then
 the dtype cast) while the main thread writes window k at its offset into the preallocated

@@ -2,10 +2,10 @@
 
 Which values are compared (``mode``):
 
-- ``"weights"`` (default): each tensor's value: its ``master`` state where it has one
-  (fp32 master weights: what ``consolidate`` writes), else ``param`` (safetensors, frozen
-  parameters, buffers). A tensor with neither (a live store's optimizer state) is compared
-  state by state, as in ``"all"``.
+- ``"weights"`` (default): each tensor's value: its master weights where it has them
+  (DeepSpeed's ``master``, which ``consolidate`` writes; ZeroMuon's ``master_param``), else
+  ``param`` (safetensors, frozen parameters, buffers). A tensor with neither (a live
+  store's optimizer state) is compared state by state, as in ``"all"``.
 - ``"all"``: every state both sides hold under the same name; states only one side holds
   are listed and count as a difference.
 - a list of state names: those states only.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..formats.source import SourceBase, TensorMeta
+from ..formats.source import TensorSource, TensorMeta
 from ..io import BufferPool
 from ..units import MiB
 from .select import name_matches
@@ -77,7 +77,7 @@ def _pairs(ta: TensorMeta, tb: TensorMeta, mode, report: DiffReport, label: str)
     return pairs
 
 
-def diff_sources(a: SourceBase, b: SourceBase, rtol: float = 0.0, atol: float = 0.0,
+def diff_sources(a: TensorSource, b: TensorSource, rtol: float = 0.0, atol: float = 0.0,
                  mode: str | Sequence[str] = "weights", names: Sequence[str] | None = None,
                  ignore_dtype: bool = False, window_bytes: int = 16 * MiB,
                  progress: Callable[[int, int], None] | None = None,

@@ -17,7 +17,7 @@ from .. import dtypes
 from ..dtypes import DType
 from ..formats.errors import FormatError
 from ..formats.safetensors import HeaderEntry, encode_header
-from ..formats.source import SourceBase, TensorMeta
+from ..formats.source import TensorSource, TensorMeta
 from ..io import BufferPool
 from ..layout.metadata import replacing
 from ..units import MiB
@@ -48,7 +48,7 @@ def _numpy_dtype(dtype: DType, path: str) -> np.dtype:
     return dtype.numpy
 
 
-def export_tensor(source: SourceBase, name: str, out_path: str, state: str | None = None,
+def export_tensor(source: TensorSource, name: str, out_path: str, state: str | None = None,
                   dtype=None, window_bytes: int = 16 * MiB) -> dict:
     """Reassemble ``name``'s ``state`` and write it to ``out_path`` (format from the
     extension). ``dtype`` (anything ``dtypes.dtype`` takes) casts it (floats round to
@@ -87,7 +87,7 @@ def export_tensor(source: SourceBase, name: str, out_path: str, state: str | Non
             "path": out_path, "bytes": os.path.getsize(out_path)}
 
 
-def _stream(source: SourceBase, t: TensorMeta, state: str, out_dtype: DType, f,
+def _stream(source: TensorSource, t: TensorMeta, state: str, out_dtype: DType, f,
             window_bytes: int) -> None:
     src_dtype = t.states[state].dtype
     per = max(1, window_bytes // max(src_dtype.itemsize, out_dtype.itemsize))

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ..formats.source import Progress, SourceBase
+from ..formats.source import Progress, TensorSource
 from .value_stats import ParallelStats
 
 
@@ -34,7 +34,7 @@ def default_workers() -> int:
                       else (os.cpu_count() or 1)))
 
 
-def collect_stats(source: SourceBase, keys: Sequence[tuple[str, str]],
+def collect_stats(source: TensorSource, keys: Sequence[tuple[str, str]],
                   progress: Progress | None = None, workers: int | None = None
                   ) -> tuple[dict, int]:
     """Statistics of every ``(tensor, state)`` in ``keys``: ({key: stats dict}, bytes read).

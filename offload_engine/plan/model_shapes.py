@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..formats.errors import FormatError
-from ..formats.safetensors import read_header
+from ..formats.safetensors import read_header, read_index
 
 # an FSDP2 unit: one block of a layer stack (fully_shard is applied per block)
 _BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|layer)\.\d+)\.")
@@ -102,7 +102,7 @@ def load_model(path: str, dtype: str = "bfloat16") -> ModelShapes:
         return from_safetensors([path], name=_stem(path), source=path)
     doc = _read_json(path)
     if isinstance(doc, dict) and "weight_map" in doc:
-        return from_index(path, doc)
+        return from_index(path)
     if isinstance(doc, dict) and ("model_type" in doc or "architectures" in doc):
         return from_hf_config(doc, name=_model_name(path, doc), source=path, dtype=dtype)
     return from_shape_list(doc, name=_stem(path), source=path, dtype=dtype)
@@ -114,7 +114,7 @@ def _load_dir(path: str, dtype: str) -> ModelShapes:
         return load_model(cfg, dtype)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        return from_index(index, _read_json(index))
+        return from_index(index)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if files:
         return from_safetensors([os.path.join(path, f) for f in files],
@@ -304,23 +304,25 @@ def from_safetensors(paths: list[str], name: str, source: str) -> ModelShapes:
             entries, _, _ = read_header(path, check_data=False)
         except FormatError as e:
             raise ModelInputError(str(e)) from None
-        tensors += [Tensor(key, e.shape, e.dtype.name) for key, e in entries.items()]
+        tensors += [Tensor(key, e.shape, e.dtype.name if e.dtype else e.code.lower())
+                     for key, e in entries.items()]
     if not tensors:
         raise ModelInputError(f"{source}: no tensors in the safetensors header(s)")
     return ModelShapes(name, "safetensors", tensors, source,
                        notes=["shapes from safetensors headers; a tied head stored once counts once"])
 
 
-def from_index(path: str, doc: dict) -> ModelShapes:
-    weight_map = doc.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ModelInputError(f"{path}: 'weight_map' is empty or not an object")
+def from_index(path: str) -> ModelShapes:
+    """The tensors a ``model.safetensors.index.json`` maps, from its shards' headers (only
+    the headers are read: a shard cut after its header is enough)."""
+    try:
+        _, weight_map, _ = read_index(path)
+    except FormatError as e:
+        raise ModelInputError(str(e)) from None
+    if not weight_map:
+        raise ModelInputError(f"{path}: 'weight_map' is empty")
     folder = os.path.dirname(os.path.abspath(path))
-    shards = list(dict.fromkeys(weight_map.values()))
-    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
-    if missing:
-        raise ModelInputError(f"{path}: shard {missing[0]} is not next to the index (only its "
-                              "header is read: a file cut after the header is enough)")
+    shards = list(dict.fromkeys(weight_map.values()))  # in the order the index names them
     model = from_safetensors([os.path.join(folder, s) for s in shards],
                              name=os.path.basename(folder), source=path)
     wanted = set(weight_map)

@@ -22,6 +22,11 @@ from ..latest import LATEST, read_latest
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
+def is_optim_file(name: str) -> bool:
+    """Whether a file name is one of a ZeRO tag folder's per-rank optimizer files."""
+    return _OPTIM.match(name) is not None
+
+
 class DeepSpeedLayoutError(FormatError):
     """The checkpoint folder is not a complete ZeRO checkpoint; the message names the path."""
 

@@ -31,8 +31,9 @@ import os
 
 from ...dtypes import DType
 from ...io.align import as_byte_view
+from ..errors import FormatError
 from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt
-from ..source import ReadRequest, SourceBase, SourceInfo, StateMeta, TensorMeta
+from ..source import ReadRequest, TensorSource, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
 from .partitions import Piece, PartitionError, fragments_layout, zero3_layout, zero12_layout
 from .scatter_read import ScatterReader, Segment, segment_wants
@@ -85,7 +86,7 @@ def _optimizer_kind(param_groups, has_second_moment: bool) -> str | None:
     return "adam"
 
 
-class DeepSpeedSource(SourceBase):
+class DeepSpeedSource(TensorSource):
     """Tensors of a DeepSpeed checkpoint folder, read lazily by element range.
 
     Args:
@@ -134,6 +135,7 @@ class DeepSpeedSource(SourceBase):
         self._segments: dict[tuple[str, str], tuple[list[Segment], int]] = {}
         self._used: dict[str, list[set[str]]] = {}  # state -> per file, storage keys it reads
         self._forbidden: dict[frozenset, list] = {}
+        self._notes: list[str] = []
         self.optimizer: str | None = None
         self._add_buffers(model0)
         self._add_frozen(model0)
@@ -150,6 +152,7 @@ class DeepSpeedSource(SourceBase):
             step=self.global_steps if type(self.global_steps) is int else None,
             generation=self.tag, world_size=self.world_size,
             files=[(pt.path, os.path.getsize(pt.path)) for pt in sorted(self._files, key=lambda f: f.path)])
+        self.info.notes += self._notes
         if self._tensors and not any("exp_avg" in t.states for t in self._tensors):
             self.info.notes.append("no Adam moments in the optimizer files")
 
@@ -284,14 +287,31 @@ class DeepSpeedSource(SourceBase):
                         found[(r, g)] = (r, ref)
             if len(found) == len(refs["master"]):  # every partition has it
                 refs[moment] = found
-        self.optimizer = _optimizer_kind(hyper, "exp_avg_sq" in refs)
-        for name, pieces in layout.items():
-            states = {}
-            for state, by_src in refs.items():
-                dtype, per_rank = self._segments_of(name, state, pieces, by_src, home)
-                states[state] = StateMeta(dtype, math.prod(shapes[name]), per_rank)
-            self._tensors.append(TensorMeta(name, shapes[name], states["master"].dtype,
-                                            self.optimizer, states))
+        states_of: dict[str, dict[str, StateMeta]] = {name: {} for name in layout}
+        for state, by_src in refs.items():
+            try:
+                found = {name: self._segments_of(name, state, pieces, by_src, home)
+                         for name, pieces in layout.items()}
+            except (DeepSpeedLayoutError, CheckpointFileError) as e:
+                if state == "master":
+                    raise
+                # the moments only matter to inspect, diff and export: a checkpoint whose
+                # moments cannot be mapped still consolidates, and says why they are missing
+                self._forget(state)
+                self._notes.append(f"Adam {state} not readable: {e}")
+                continue
+            for name, (dtype, per_rank) in found.items():
+                states_of[name][state] = StateMeta(dtype, math.prod(shapes[name]), per_rank)
+        self.optimizer = _optimizer_kind(hyper, all("exp_avg_sq" in s for s in states_of.values()))
+        for name in layout:
+            self._tensors.append(TensorMeta(name, shapes[name], states_of[name]["master"].dtype,
+                                            self.optimizer, states_of[name]))
+
+    def _forget(self, state: str) -> None:
+        """Drop every segment of ``state`` (it could not be mapped for some tensor)."""
+        for key in [k for k in self._segments if k[1] == state]:
+            del self._segments[key]
+        self._used.pop(state, None)
 
     def _forbidden_for(self, states: frozenset) -> list[list[tuple[int, int]]]:
         """Per file, the byte spans of storage records no tensor's ``states`` live in: the
@@ -319,12 +339,13 @@ class DeepSpeedSource(SourceBase):
         may bridge holes only through records of those states)."""
         wants, states = [], set()
         for req in requests:
-            state = req.state or ("master" if (req.name, "master") in self._segments else "param")
-            stored = self._segments.get((req.name, state))
+            name = self._aliases.get(req.name, req.name)
+            state = req.state or ("master" if (name, "master") in self._segments else "param")
+            stored = self._segments.get((name, state))
             if stored is None:
-                if not any(name == req.name for name, _ in self._segments):
-                    raise KeyError(f"no tensor {req.name!r} in {self.tag_dir}")
-                raise KeyError(f"no state {state!r} of tensor {req.name!r} in {self.tag_dir}")
+                if not any(n == name for n, _ in self._segments):
+                    raise FormatError(f"{self.tag_dir}: no tensor {req.name!r}")
+                raise FormatError(f"{self.tag_dir}: tensor {req.name!r} has no state {state!r}")
             segments, itemsize = stored
             wants += segment_wants(segments, req.start, as_byte_view(req.out), itemsize,
                                    f"{req.name}/{state}")

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from ...io import FileIOError, TruncatedFileError
+from ...units import MiB
 
 _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
@@ -89,7 +90,7 @@ class ScatterReader:
 
     def __init__(self, paths: list[str], forbidden: list[list[tuple[int, int]]] | None = None,
                  max_gap: int = 64 * 1024, threads: int = 8, max_open: int = 128,
-                 max_piece: int = 8 << 20):
+                 max_piece: int = 8 * MiB):
         self.paths = list(paths)
         self._forbidden = forbidden if forbidden is not None else [[] for _ in self.paths]
         self.max_gap = max_gap

@@ -1,6 +1,6 @@
 """Our own format: live store directories and checkpoint generations (docs/format.md)."""
 
-from .generations import resolve
+from .generations import locate, resolve
 from .reader import OursSource
 
-__all__ = ["OursSource", "resolve"]
+__all__ = ["OursSource", "locate", "resolve"]

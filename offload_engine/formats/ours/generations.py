@@ -12,12 +12,18 @@ import os
 from ...layout.generations import PARTIAL
 from ..errors import CheckpointError
 from ..latest import read_latest
+from .tensor_table import gc_paused, parse_manifest, read_manifest_attrs
 
 
-def resolve(ckpt_dir: str, tag: str | None = None) -> str:
-    """The directory of generation ``tag`` (default: the one ``latest`` names), checked to
-    exist and not be torn. Its manifest is checked by whoever reads it (``OursSource``).
-    Errors (CheckpointError) name the file and what is wrong."""
+def locate(ckpt_dir: str, tag: str | None = None) -> str:
+    """The directory of generation ``tag`` of ``ckpt_dir`` (default: the one ``latest``
+    names; ``ckpt_dir`` itself when it is a generation and no tag is given), checked to
+    exist and not be torn; its manifest is left to whoever reads it. Errors
+    (CheckpointError) name the file and what is wrong."""
+    if tag is None and os.path.isfile(os.path.join(ckpt_dir, "zarr.json")):
+        if os.path.basename(os.path.normpath(ckpt_dir)).endswith(PARTIAL):
+            raise CheckpointError(f"{ckpt_dir}: a torn (uncommitted) generation")
+        return ckpt_dir
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
     if tag is None:
@@ -29,4 +35,13 @@ def resolve(ckpt_dir: str, tag: str | None = None) -> str:
         torn = os.path.isdir(gen + PARTIAL)
         raise CheckpointError(f"{gen}: does not exist"
                               + (" (only a torn .partial copy exists)" if torn else ""))
+    return gen
+
+
+def resolve(ckpt_dir: str, tag: str | None = None) -> str:
+    """``locate``, and the generation's manifest checked as every reader checks it (format,
+    version, committed, its tables): the directory of a generation that loads."""
+    gen = locate(ckpt_dir, tag)
+    with gc_paused():
+        parse_manifest(read_manifest_attrs(gen), "checkpoint", os.path.join(gen, "zarr.json"))
     return gen

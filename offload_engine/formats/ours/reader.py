@@ -8,7 +8,10 @@ on first need: a rank loading a checkpoint at the same world size reads its own 
 Reading goes through the engine's own chunk I/O (``AsyncFileIO``, O_DIRECT into
 ``BufferPool`` buffers); ``scan`` walks each array in storage order, window by window with
 read-ahead, and hands every window to the caller with the tensor pieces it holds.
-Checkpoint chunks are checked against the crc32c their manifest records, on every read.
+Checkpoint chunks are checked against the crc32c their manifest records: each chunk is read
+whole and verified the first time a reader touches it, before any of its bytes is
+returned, and a checkpoint array the engine did not write (a codec other than plain
+little-endian bytes) is refused.
 
 Every reader of our format goes through here: ``checkpoint.load``, consolidate, inspect,
 diff and export. Nothing here imports torch (``scan`` does, for its caller's statistics).
@@ -19,56 +22,27 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures
-import contextlib
-import gc
 import math
 import os
 from typing import Sequence
 
 from ...io import AsyncFileIO, BufferPool
 from ...io.align import as_byte_view
-from ...layout import FlatArray, MetadataError, NodeNotFoundError, read_group
+from ...layout import FlatArray, MetadataError, NodeNotFoundError
 from ...layout.manifest import read_shard_table, shard_table_path
 from ...units import MiB
 from ..errors import CheckpointError
-from ..source import Progress, SourceBase, SourceInfo, TensorMeta, Visit
-from .generations import resolve
+from ..source import KIND_LABELS, Progress, SourceInfo, TensorMeta, TensorSource, Visit
+from .generations import locate
 from .shard_tables import ShardTables
-from .tensor_table import parse_manifest
+from .tensor_table import gc_paused, parse_manifest, read_manifest_attrs
 from .windows import ChunkedArray, RangeReader, WindowStream
 
 DEFAULT_WINDOW = 16 * MiB
 DEFAULT_DEPTH = 4   # windows read ahead: 80 MiB in flight at 16 MiB, more than fio's 8 x 8 MiB
 
 
-@contextlib.contextmanager
-def gc_paused():
-    """No cyclic garbage collection while a large manifest becomes many small objects
-    (none of them cyclic). Re-enabling alone would only defer the cost: the first
-    young-generation collection would then walk every object made meanwhile (1.2 s for the
-    manifest of 50,000 tensors over 8 ranks). ``freeze`` + ``unfreeze`` moves them straight
-    to the oldest generation instead, which is collected only rarely. (A short-lived
-    process can ``gc.freeze()`` for good afterwards, as the command line does.)"""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.unfreeze()
-        if was:
-            gc.enable()
-
-
-def read_manifest_attrs(group: str) -> dict:
-    """The group's attributes; a missing or corrupt zarr.json is a CheckpointError naming it."""
-    try:
-        return read_group(group)
-    except (NodeNotFoundError, MetadataError) as e:
-        raise CheckpointError(str(e)) from None
-
-
-class OursSource(SourceBase):
+class OursSource(TensorSource):
     """A store directory (``kind="store"``) or one checkpoint generation (``"checkpoint"``).
 
     Args:
@@ -115,11 +89,9 @@ class OursSource(SourceBase):
     @classmethod
     def open_checkpoint(cls, ckpt_dir: str, tag: str | None = None, **options) -> "OursSource":
         """The generation ``tag`` of the checkpoint directory ``ckpt_dir`` (default: the
-        one ``latest`` names), or ``ckpt_dir`` itself when it is a generation."""
-        if os.path.isfile(os.path.join(ckpt_dir, "zarr.json")) and tag is None:
-            gen = ckpt_dir
-        else:
-            gen = resolve(ckpt_dir, tag)
+        one ``latest`` names), or ``ckpt_dir`` itself when it is a generation; a torn
+        (``.partial``) generation is refused, whatever its manifest says."""
+        gen = locate(ckpt_dir, tag)
         return cls(gen, "checkpoint", generation=os.path.basename(os.path.normpath(gen)),
                    **options)
 
@@ -193,6 +165,9 @@ class OursSource(SourceBase):
                                   f"manifest says {entry.numel} x {entry.dtype}")
         crcs = None
         if self.manifest.checksums is not None:
+            if not flat.direct:  # the engine writes plain little-endian chunks only
+                raise CheckpointError(f"{path}: not an array the engine wrote: "
+                                      f"{flat.foreign_problem}")
             crcs = self.manifest.checksums.get(name)
             if crcs is None:
                 raise CheckpointError(f"{path}: no checksums recorded for array {name!r} in the "
@@ -239,8 +214,8 @@ class OursSource(SourceBase):
         return self.manifest.tensors
 
     def describe(self) -> str:
-        what = "offload-engine checkpoint" if self.kind == "checkpoint" else "live store"
-        return f"{what} {self.group} (step {self.manifest.step}, world size {self.manifest.world_size})"
+        return (f"{KIND_LABELS[self.kind]} {self.group} (step {self.manifest.step}, world size "
+                f"{self.manifest.world_size})")
 
     def _range_reader(self) -> RangeReader:
         if self._ranges is None:

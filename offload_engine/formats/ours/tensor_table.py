@@ -9,6 +9,8 @@ Per-rank bytes come from the row split (FSDP2 ``Shard(0)``, or a tensor's
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import re
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from typing import NamedTuple
 
 from ... import dtypes
 from ...dtypes import DType
+from ...layout import MetadataError, NodeNotFoundError, read_group
 from ...layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, STORE_FORMAT, fsdp_rows,
                                 held_ranks)
 from ..errors import CheckpointError
@@ -70,6 +73,33 @@ class Manifest:
         return self.world_size is not None and self.ranks == list(range(self.world_size))
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic garbage collection while a large manifest becomes many small objects
+    (none of them cyclic). Re-enabling alone would only defer the cost: the first
+    young-generation collection would then walk every object made meanwhile (1.2 s for the
+    manifest of 50,000 tensors over 8 ranks). ``freeze`` + ``unfreeze`` moves them straight
+    to the oldest generation instead, which is collected only rarely. (A short-lived
+    process can ``gc.freeze()`` for good afterwards, as the command line does.)"""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.unfreeze()
+        if was:
+            gc.enable()
+
+
+def read_manifest_attrs(group: str) -> dict:
+    """The group's attributes; a missing or corrupt zarr.json is a CheckpointError naming it."""
+    try:
+        return read_group(group)
+    except (NodeNotFoundError, MetadataError) as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _int(value, what: str, where: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise CheckpointError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
@@ -106,6 +136,9 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
         if committed is not True:
             raise CheckpointError(f"{where}: the generation is not committed ('committed' is "
                                f"{committed!r}): an interrupted save, not a checkpoint")
+        for key in ("step", "world_size", "tensors"):
+            if key not in attrs:
+                raise CheckpointError(f"{where}: the checkpoint manifest has no {key!r}")
         checksums = _parse_checksums(attrs.get("checksums"), arrays, where)
     extra = {k: v for k, v in attrs.items()
              if k not in ("format", "format_version", "step", "world_size", "arrays",

@@ -15,13 +15,11 @@ Everything is bytes (memoryviews of pool buffers): no torch, no element types.
 from __future__ import annotations
 
 import collections
-import errno
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from ...io import AsyncFileIO, BufferPool, PooledBuffer
-from ...layout import ChunkSizeError, FlatArray, TruncatedChunkError
+from ...layout import FlatArray
 from ...layout.checksums import crc32c_extend, mismatch, missing, unexpected
 from ...layout.fill_values import fill_pattern
 from ...units import PAGE
@@ -92,25 +90,13 @@ def chunk_present(array: ChunkedArray, chunk: int) -> bool:
 
     A short file is a TruncatedChunkError, a long one a ChunkSizeError, both naming it.
     """
+    present = array.flat.chunk_state(chunk)  # size errors name the file
     path = array.flat.chunk_path(chunk)
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        if array.verified(chunk):
-            raise missing(path) from None
-        return False
-    if array.recorded_absent(chunk):
+    if not present and array.verified(chunk):
+        raise missing(path)
+    if present and array.recorded_absent(chunk):
         raise unexpected(path)
-    want = array.flat.chunk_bytes
-    if size < want:
-        raise TruncatedChunkError(errno.ENODATA, "read", path, 0, want,
-                                  detail=f"truncated chunk: the file has {size} bytes, every "
-                                         f"chunk of array {array.name} has {want}")
-    if size > want:
-        raise ChunkSizeError(errno.EINVAL, "read", path, 0, want,
-                             detail=f"chunk file has {size} bytes, more than the {want} of "
-                                    f"every chunk of array {array.name}")
-    return True
+    return present
 
 
 class WindowStream:
@@ -216,9 +202,10 @@ class WindowStream:
 
 
 class RangeReader:
-    """Element ranges of arrays, for export and diff: reads go straight into the caller's
-    tensor, except that a checksummed chunk is first read whole, window by window, and
-    verified; its windows stay in a small cache that serves the reads that follow."""
+    """Element ranges of arrays (what ``OursSource.read`` serves: load, consolidate, diff,
+    export): reads go straight into the caller's bytes, except that a checksummed chunk is
+    first read whole, window by window, and verified; its windows stay in a small cache
+    that serves the reads that follow."""
 
     def __init__(self, io: AsyncFileIO, pool: BufferPool, window_bytes: int, cache_windows: int):
         self.io = io
