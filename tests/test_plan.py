@@ -12,7 +12,8 @@ import torch
 
 from offload_engine.cli.main import main
 from offload_engine.optim.param_rules import default_use_muon
-from offload_engine.plan.memory import PlanOptions, classify, rank_states, shard_rows
+from offload_engine.layout.manifest import fsdp_rows
+from offload_engine.plan.memory import PlanOptions, classify, rank_states
 from offload_engine.plan.model_shapes import from_hf_config, load_model
 from offload_engine.store import StoreConfig
 
@@ -127,7 +128,7 @@ def test_fsdp_row_shards_are_torch_chunk_sizes():
     for rows in (0, 1, 5, 7, 10, 32000, 32001):
         for world in (1, 2, 3, 4, 8, 64):
             want = [c.shape[0] for c in torch.chunk(torch.empty(rows, 1), world)] if rows else []
-            got = shard_rows(rows, world)
+            got = list(fsdp_rows(rows, world))
             assert sum(got) == rows and got[:len(want)] == want
             assert all(x == 0 for x in got[len(want):])
 

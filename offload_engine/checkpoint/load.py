@@ -22,8 +22,9 @@ from ..optim.state_access import local_param, mark_restored, param_state_arrays,
 from .buffers import persistent_buffers
 from .pending import finish_previous
 from .save import _collective, param_name
+from ..units import MiB
 
-WINDOW_BYTES = 8 << 20  # bytes per checksummed read window
+WINDOW_BYTES = 8 * MiB  # bytes per checksummed read window
 
 
 @torch.no_grad()

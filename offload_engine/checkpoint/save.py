@@ -36,14 +36,16 @@ from .commit import commit, report_done, report_failed, wait_for_commit, wait_fo
 from .generations import prepare_staging
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
+from ..store.geometry import elems_per_bucket
+from ..units import MiB
 
-CHUNK_BYTES = 64 << 20          # chunk files of the parameter arrays (bytes)
+CHUNK_BYTES = 64 * MiB          # chunk files of the parameter arrays (bytes)
 COMMIT_TIMEOUT_S = 3600.0       # how long rank 0 waits for the others' parts
 
 
 def array_name(rank: int, key: str, dtype: torch.dtype) -> str:
     suffix = "" if dtype == torch.float32 else "." + dtypes.dtype(dtype).name
-    return f"rank{rank}/{key}{suffix}"
+    return f"{rank_group(rank)}/{key}{suffix}"
 
 
 def _collective() -> tuple[int, int, bool]:
@@ -186,7 +188,7 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) ->
     for layout_name, (store_name, key, dtype, numel) in state_arrays(opt).items():
         names[layout_name] = array_name(rank, key, dtype)
         copies[store_name] = (names[layout_name], dtype, numel,
-                              bucket_bytes // dtype.itemsize * dtype.itemsize)
+                              elems_per_bucket(bucket_bytes, dtype) * dtype.itemsize)
     param_arrays: dict[str, tuple[torch.dtype, int]] = {}
     params, shards = [], {}
 
@@ -243,7 +245,7 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
 def saved_states(opt, info) -> dict[str, torch.dtype]:
     """``{key: dtype}`` of what is saved for parameter ``info``: ``param`` and, once it has
     optimizer state, every state key (``master_param`` is float32, the others the state
-    dtype of its chunk)."""
+    dtype of its bundle)."""
     out = {"param": info.dtype}
     if has_state(opt, info):
         for key in state_offsets(opt, info):

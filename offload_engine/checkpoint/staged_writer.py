@@ -16,8 +16,9 @@ from ..io import BufferPool, IOFuture
 from ..io.align import ALIGN
 from ..layout import FlatArray
 from ..layout.checksums import SequentialChunkCrc
+from ..units import MiB
 
-BLOCK_BYTES = 8 << 20  # bytes per staged write
+BLOCK_BYTES = 8 * MiB  # bytes per staged write
 BLOCKS = 4             # staging blocks: one filling while the others are written
 
 

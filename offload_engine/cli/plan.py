@@ -13,7 +13,8 @@ import json
 import os
 
 from .args import aligned_size, byte_size, positive_int
-from ..units import format_bytes, parse_bytes
+from ..store.config import default as store_default
+from ..units import MiB, format_bytes, parse_bytes
 
 # the byte model (torch, the optimizer's code) is imported when the command runs, so that
 # building the parser for other subcommands does not pay for it
@@ -56,9 +57,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--param-offload", action="store_true",
                    help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer "
                         "step in host memory; the GPU holds gathered units and activations")
-    p.add_argument("--bucket-bytes", type=aligned_size, default=64 << 20, metavar="SIZE",
-                   help="store bucket size, a multiple of 4096 bytes (default 64MiB)")
-    p.add_argument("--prefetch-depth", type=int, default=2, help="store prefetch depth (default 2)")
+    bucket = store_default("bucket_bytes")
+    p.add_argument("--bucket-bytes", type=aligned_size, default=bucket, metavar="SIZE",
+                   help=f"store bucket size, a multiple of 4096 bytes (default {bucket // MiB}MiB)")
+    depth = store_default("prefetch_depth")
+    p.add_argument("--prefetch-depth", type=int, default=depth,
+                   help=f"store prefetch depth (default {depth})")
     p.add_argument("--home", choices=("auto", "cpu", "nvme"), default="auto",
                    help="home tier of the state (default auto: cpu when it fits, else nvme)")
     p.add_argument("--cpu-budget", type=byte_size, default=None, metavar="SIZE",

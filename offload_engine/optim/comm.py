@@ -127,12 +127,15 @@ class Exchange:
         if plan.local:
             return None
         send, recv = self.buffers(slot, plan)
-        out, inp = (plan.recv_splits, plan.send_splits) if backward else (plan.send_splits, plan.recv_splits)
+        # elements this rank sends to / receives from each rank, and the buffers they use
+        sent, received = ((plan.recv_splits, plan.send_splits) if backward
+                          else (plan.send_splits, plan.recv_splits))
         src, dst = (recv, send) if backward else (send, recv)
-        self._count(out, inp)
-        return dist.all_to_all_single(dst, src, inp, out, group=self.group, async_op=True)
+        self._count(sent, received)
+        return dist.all_to_all_single(dst, src, output_split_sizes=received,
+                                      input_split_sizes=sent, group=self.group, async_op=True)
 
-    def _count(self, out_splits: list[int], in_splits: list[int]) -> None:
+    def _count(self, sent_splits: list[int], received_splits: list[int]) -> None:
         self.calls += 1
-        self.bytes_sent += BF16_BYTES * (sum(out_splits) - out_splits[self.rank])
-        self.bytes_received += BF16_BYTES * (sum(in_splits) - in_splits[self.rank])
+        self.bytes_sent += BF16_BYTES * (sum(sent_splits) - sent_splits[self.rank])
+        self.bytes_received += BF16_BYTES * (sum(received_splits) - received_splits[self.rank])

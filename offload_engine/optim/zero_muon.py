@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..layout.manifest import write_shard_table
+from ..layout.manifest import rank_group, write_shard_table
 from ..store import StoreConfig, TieredStore
 from ..store.geometry import array_pool_bytes
 from ..units import PAGE
@@ -119,7 +119,7 @@ class ZeroMuon(torch.optim.Optimizer):
         else:
             self.world, self.rank = 1, 0
         self.store_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.prefix = f"rank{self.store_rank}/"
+        self.prefix = f"{rank_group(self.store_rank)}/"
 
         cfg = self._store_config(store)
         describe(infos, self.group, self.world, self.rank,
@@ -181,7 +181,7 @@ class ZeroMuon(torch.optim.Optimizer):
         cfg = store if isinstance(store, StoreConfig) else StoreConfig.load(dict(store))
         if cfg.nvme_paths:
             cfg = StoreConfig.load({**cfg.model_dump(), "nvme_paths": [
-                os.path.join(p, f"rank{self.store_rank}") for p in cfg.nvme_paths]})
+                os.path.join(p, rank_group(self.store_rank)) for p in cfg.nvme_paths]})
         return cfg
 
     def _open_store(self, store, cfg: StoreConfig) -> None:

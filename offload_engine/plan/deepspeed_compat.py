@@ -90,7 +90,7 @@ def ours_vs_deepspeed(total_params: int, largest_layer_params: int, gpus_per_nod
             "no fp32 gradient copy on the host (-4 B/param): bf16 gradients stay on the GPU "
             "(+2 B/param/W there)",
             "no 1.5x buffer factor: the pinned pool is counted exactly; bucket padding (under "
-            "a bucket per array where Muon and AdamW chunks with masters meet) is given separately",
+            "a bucket per array where Muon and AdamW bundles with masters meet) is given separately",
             "gathered working set = largest FSDP2 unit, not the largest module",
         ],
         "gpus": g,

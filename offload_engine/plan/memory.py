@@ -1,14 +1,14 @@
 """Bytes per tier per rank: what ZeroMuon and its TieredStore allocate for a model.
 
 Nothing here allocates a weight. Parameters are described to the optimizer's own code
-(``optim.sharding.ParamInfo``), classified by its own rule (``default_use_muon``, called
-on a meta tensor) and laid out by its own ``build_layout``, so the arrays, their sizes and
+(``optim.params.ParamInfo``), classified by its own rule (``optim.param_rules.use_muon_for``,
+on the name and number of dimensions) and laid out by its own ``build_layout``, so the arrays, their sizes and
 their bucket boundaries are exactly those ZeroMuon registers, per rank. Around them:
 
 - sharding: FSDP2 ``Shard(0)``, rank r holds ``torch.chunk`` rows (``ceil(rows/W)`` each,
   the last ranks fewer, possibly none); world size 1 is plain tensors;
 - the all_to_all buffers (``SLOTS`` bf16 send and receive buffers sized for the largest
-  Muon chunk), the Newton-Schulz workspace (two bf16 buffers of the largest owned matrix,
+  Muon bundle), the Newton-Schulz workspace (two bf16 buffers of the largest owned matrix,
   two of its smaller dimension squared), the optimizer's scratch (one buffer of the
   longest segment per use), with owners from ``optim.owners.assign_owners``;
 - the store: pinned pool = ``cpu_budget`` (page-rounded), chunk files on NVMe at full
@@ -25,7 +25,7 @@ from .. import dtypes
 from ..dtypes import BFLOAT16, FLOAT32, DType
 from ..layout.flat_array import chunk_bytes_for
 from ..layout.group import group_doc
-from ..layout.manifest import SHARDS, fsdp_rows
+from ..layout.manifest import SHARDS, fsdp_rows, rank_group
 from ..layout.store_group import store_array_entry, store_group_attributes
 from ..layout.metadata import compact_json, new_array_doc
 from ..optim.muon_defaults import DEFAULT_NS_STEPS
@@ -35,6 +35,7 @@ from ..optim.params import ParamInfo
 from ..optim.state_layout import ArrayKey, StateKind, build_layout
 from ..optim.step_events import SLOTS
 from ..optim.store_manifest import manifest_tables
+from ..store.config import default as store_default
 from ..store.geometry import array_pool_bytes, bucket_sizes, elems_per_bucket
 from ..units import MiB
 from .model_shapes import ModelShapes
@@ -50,8 +51,8 @@ class PlanOptions:
     gpus_per_node: int = 8
     param_dtype: DType = BFLOAT16
     master_weights: bool = False          # fp32 masters (and fp32 state) in the store
-    bucket_bytes: int = 64 * MiB
-    prefetch_depth: int = 2
+    bucket_bytes: int = store_default("bucket_bytes")
+    prefetch_depth: int = store_default("prefetch_depth")
     device: str = "cuda"                  # where parameters (and the optimizer) live: cuda|cpu
     gpu: bool = True                      # a GPU computes (FSDP2 gathers units onto it)
     amsgrad: bool = False
@@ -76,16 +77,6 @@ class PlanOptions:
 def classify(model: ModelShapes) -> list[str]:
     """"muon" or "adamw" per tensor, by the optimizer's own default rule."""
     return ["muon" if use_muon_for(t.name, len(t.shape)) else "adamw" for t in model.tensors]
-
-
-def shard_rows(rows: int, world: int) -> list[int]:
-    """Rows per rank under FSDP2 ``Shard(0)`` (torch.chunk sizes, the last ranks short or 0)."""
-    return [rows_of_rank(rows, world, r) for r in range(world)]
-
-
-def rows_of_rank(rows: int, world: int, rank: int) -> int:
-    per = -(-rows // world) if rows else 0
-    return max(0, min(per, rows - rank * per))
 
 
 def rank_groups(row_counts, world: int) -> list[int]:
@@ -123,7 +114,7 @@ def param_infos(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
             for d in t.shape[1:]:
                 row_numel *= d
             info.row_numel = row_numel
-            info.rows_per_rank = ([rows_of_rank(info.rows, world, r) for r in ranks]
+            info.rows_per_rank = ([fsdp_rows(info.rows, world)[r] for r in ranks]
                                   if world > 1 else [info.rows])
             infos.append(info)
     return infos
@@ -268,15 +259,15 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
     ns_numel = [0] * world
     ns_dim = [0] * world
     for c, os_ in zip(exchanged, owners):
-        per_chunk: dict[int, int] = {}
+        per_bundle: dict[int, int] = {}
         for p, o in zip(c.params, os_):
             i = infos[p]
-            own_local[o] += rows_of_rank(i.rows, world, o) * i.row_numel
+            own_local[o] += fsdp_rows(i.rows, world)[o] * i.row_numel
             own_numel[o] += i.numel
-            per_chunk[o] = per_chunk.get(o, 0) + i.numel
+            per_bundle[o] = per_bundle.get(o, 0) + i.numel
             ns_numel[o] = max(ns_numel[o], i.numel)
             ns_dim[o] = max(ns_dim[o], min(i.rows, i.row_numel))
-        for o, n in per_chunk.items():
+        for o, n in per_bundle.items():
             recv_max[o] = max(recv_max[o], n)
     local_muon = [(i.rows, i.row_numel) for c in probe.bundles if c.kind == "muon"
                   and not (c.distributed and world > 1) for i in (infos[p] for p in c.params)]
@@ -359,7 +350,7 @@ def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
 
 
 def rank_tables(st: RankState, world: int) -> tuple[dict, dict]:
-    """ZeroMuon's manifest tables for rank ``st.rank`` (``optim.manifest``): every
+    """ZeroMuon's manifest tables for rank ``st.rank`` (``optim.store_manifest``): every
     parameter is FSDP2-sharded when ``world`` > 1."""
-    return manifest_tables(st.infos, st.layout, st.rank, world, lambda n: f"rank{st.rank}/{n}",
+    return manifest_tables(st.infos, st.layout, st.rank, world, lambda n: f"{rank_group(st.rank)}/{n}",
                            lambda i: fsdp_rows(i.rows, world))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..io.align import round_up
-from ..units import GiB
+from ..units import PAGE, GiB
 from ..optim.step_events import working_buckets  # ZeroMuon's own bound; planner imports it here
 from .memory import RankState
 
@@ -51,7 +51,7 @@ def needed_pinned(st: RankState) -> int:
     return sum(a.pinned_bytes for a in st.arrays.values())
 
 
-def working_set(st: RankState, bucket_bytes: int, prefetch_depth: int = 0) -> int:
+def working_set(st: RankState, bucket_bytes: int) -> int:
     """Pool bytes ZeroMuon requires beyond cpu-homed state when any array is on NVMe."""
     return working_buckets(st.layout) * bucket_bytes
 
@@ -67,12 +67,12 @@ class Placement:
     reason: str
 
 
-def choose(states: list[RankState], *, bucket_bytes: int, prefetch_depth: int, cpu_mem: int,
+def choose(states: list[RankState], *, bucket_bytes: int, cpu_mem: int,
            ranks_per_node: int, nvme_available: bool, device: str, home: str = "auto",
            cpu_budget: int | None = None, staging: int = 0, host_other: int = 0) -> Placement:
     """The store config's homes and budgets for these ranks (one config serves them all)."""
     needed = max(needed_pinned(s) for s in states)
-    working = max(working_set(s, bucket_bytes, prefetch_depth) for s in states)
+    working = max(working_set(s, bucket_bytes) for s in states)
     pinnable = pinnable_per_rank(cpu_mem, ranks_per_node, host_other)
     if home == "auto":
         if needed <= pinnable or not nvme_available:
@@ -86,7 +86,7 @@ def choose(states: list[RankState], *, bucket_bytes: int, prefetch_depth: int, c
         reason = f"home {home} as asked"
     if cpu_budget is None:
         if home == "cpu":
-            cpu_budget = max(needed, 4096)
+            cpu_budget = max(needed, PAGE)  # a zero-byte budget is not a valid config
         else:
             fit = pinnable // bucket_bytes * bucket_bytes
             cpu_budget = max(working, min(fit, round_up(needed + working, bucket_bytes)))

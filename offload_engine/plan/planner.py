@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..dtypes import FLOAT32
 from ..io.align import round_up
 from ..store import StoreConfig
+from ..store.config import default as store_default
 from ..units import MiB
 from . import deepspeed_compat
 from .memory import (PlanOptions, RankState, classify, compute_bytes,
@@ -24,7 +25,7 @@ from .traffic import drive_writes_per_day, io_seconds, step_io
 
 FORMAT = "offload-engine-plan"
 FORMAT_VERSION = 1
-DEFAULT_IO = {"block_size": 8 * MiB, "queue_depth": 8, "io_threads": 8}  # StoreConfig defaults
+DEFAULT_IO = {k: store_default(k) for k in ("block_size", "queue_depth", "io_threads")}
 NVME_PLACEHOLDER = "NVME_DIR"
 
 
@@ -72,7 +73,7 @@ def build_plan(model: ModelShapes, opts: PlanOptions, machine: Machine,
     states = rank_states(model, opts, kinds=kinds)
     staging = max(working_buckets(s.layout) for s in states) * opts.bucket_bytes
     host_other = max(sum(compute_bytes(s, model, opts, 0)[1].values()) for s in states)
-    place = choose(states, bucket_bytes=opts.bucket_bytes, prefetch_depth=opts.prefetch_depth,
+    place = choose(states, bucket_bytes=opts.bucket_bytes,
                    cpu_mem=machine.cpu_mem, ranks_per_node=opts.ranks_per_node,
                    nvme_available=bool(machine.nvme_paths or machine.nvme_capacity),
                    device=opts.device, home=home, cpu_budget=cpu_budget, staging=staging,
@@ -377,7 +378,7 @@ def _notes(doc, place: Placement, machine: Machine, opts: PlanOptions, workload)
     if st["logical_bytes"] and st["padding_bytes"] > 0.05 * st["logical_bytes"]:
         notes.append(f"bucket padding: {st['padding_bytes']} B of the {st['bytes']} B of state "
                      f"per rank ({100 * st['padding_bytes'] / st['bytes']:.0f}%) are padding (where "
-                     "a chunk's arrays disagree on the position inside a bucket they start on a "
+                     "a bundle's arrays disagree on the position inside a bucket they start on a "
                      "boundary) and are stored and moved too; another --bucket-bytes may pad less")
     if opts.gpu and not workload.activations:
         notes.append("activations are not modelled: the GPU figure is model state, buffers and "

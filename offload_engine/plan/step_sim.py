@@ -39,7 +39,6 @@ from ..store.geometry import bucket_sizes, pool_bytes
 from ..store.policy import ResidencyPolicy
 
 
-LOG = []
 @dataclass
 class SimResult:
     read: list[int]       # NVMe bytes read in each simulated step
@@ -79,7 +78,6 @@ class _Replay:
             self.policy.withdraw(b.key)
 
     def evict(self, b: _Bucket) -> None:
-        LOG.append(("evict", self.policy.schedule.step if self.policy.schedule else -1, b.key))
         if b.dirty:            # written back, instantly
             self.written += b.nbytes
             b.dirty = False
@@ -94,7 +92,6 @@ class _Replay:
         while True:
             off = self.pool.take(b.need)
             if off is not None:
-                LOG.append(("fill", self.policy.schedule.step if self.policy.schedule else -1, b.key, demand))
                 b.offset = off
                 if b.home == "nvme" and b.on_disk:
                     self.read += b.nbytes   # else zero-filled: nothing read

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ValidationError, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from ..units import PAGE, MiB, parse_bytes
+from ..units import PAGE, GiB, MiB, parse_bytes
 
 Tier = Literal["gpu", "cpu", "nvme"]
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
@@ -25,7 +25,7 @@ class StoreConfig(BaseModel):
     nvme_paths: list[str] = Field(default_factory=list, description=(
         "Directories on NVMe; the first holds the zarr group, buckets are striped over all "
         "of them round-robin."))
-    cpu_budget: Bytes = Field(1 << 30, description="Pinned host pool, bytes (one arena).")
+    cpu_budget: Bytes = Field(GiB, description="Pinned host pool, bytes (one arena).")
     gpu_budget: Bytes = Field(0, description="GPU memory for state, bytes (CUDA only).")
     bucket_bytes: Bytes = Field(64 * MiB, description=(
         "Bytes per bucket (unit of residency and of one chunk file); multiple of 4096."))
@@ -82,3 +82,9 @@ def _describe(err: dict) -> str:
     if err["type"] == "extra_forbidden":
         return f"unknown key '{key}'"
     return f"{key}: {err['msg'].removeprefix('Value error, ')}"
+
+
+def default(key: str):
+    """The default of config key ``key``: the one place the planner and the command line
+    take the store's defaults from (bucket size, I/O threads, queue depth, ...)."""
+    return StoreConfig.model_fields[key].default
