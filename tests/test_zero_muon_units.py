@@ -158,7 +158,7 @@ def test_layout_packs_state_without_gaps_and_covers_every_element(mixed):
         p = torch.empty(shape)
         info = ParamInfo(i, p, {"amsgrad": False}, name, "muon" if default_use_muon(name, p) else "adamw",
                          tuple(shape), torch.float32, True)
-        info.row_numel = int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1
+        assert info.row_numel == (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
         info.rows_per_rank = [len(c) for c in torch.arange(shape[0]).chunk(world)] + [0] * world
         info.rows_per_rank = info.rows_per_rank[:world]
         infos.append(info)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 import pickle
 import struct
@@ -70,10 +71,7 @@ class TensorRef:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
         expected = 1

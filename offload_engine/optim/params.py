@@ -6,6 +6,7 @@ planner all work from these, and the planner builds them from shapes alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -22,7 +23,11 @@ class ParamInfo:
     dtype: object              # a torch dtype or an ``offload_engine.dtypes`` name or DType
     distributed: bool          # a Shard(0) DTensor (on a mesh of any size); else held whole
     rows_per_rank: list[int] = field(default_factory=list)
-    row_numel: int = 1         # elements per row (product of the other dims)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per row: the product of the dimensions after the first."""
+        return math.prod(self.shape[1:])
 
     @property
     def rows(self) -> int:

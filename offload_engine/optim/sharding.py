@@ -65,10 +65,6 @@ def describe(infos: list[ParamInfo], group, world: int, rank: int, extra: list[i
     chunking and walking order); a disagreement raises instead of deadlocking later.
     """
     for info in infos:
-        shape = info.shape
-        info.row_numel = 1
-        for d in shape[1:]:
-            info.row_numel *= d
         if not info.distributed:
             info.rows_per_rank = [info.rows]
     dist_infos = [i for i in infos if i.distributed]

@@ -110,10 +110,6 @@ def param_infos(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
                 continue
             info = ParamInfo(len(infos), None, group, t.name, kind, tuple(t.shape),
                              opts.param_dtype, world > 1)
-            row_numel = 1
-            for d in t.shape[1:]:
-                row_numel *= d
-            info.row_numel = row_numel
             info.rows_per_rank = ([fsdp_rows(info.rows, world)[r] for r in ranks]
                                   if world > 1 else [info.rows])
             infos.append(info)

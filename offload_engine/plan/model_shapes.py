@@ -19,6 +19,7 @@ Errors are ``ModelInputError`` (a ValueError) with one line that names the file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -44,10 +45,7 @@ class Tensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass
