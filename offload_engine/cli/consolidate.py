@@ -8,12 +8,21 @@ input (missing/corrupt/unsafe files, wrong rank count, bad option), printed as o
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 
-from ..formats import open_source
 from ..offline.consolidate import OUTPUT_DTYPES, consolidate, verify_output
 from ..offline.hf_shards import parse_size
+from ..offline.state_dict import open_weights
 from .progress import ProgressLine
+
+# DeepSpeed's zero_to_fp32.py spellings, accepted so its command lines work unchanged;
+# hidden from --help (listed in the description) so each option shows once.
+DEEPSPEED_SPELLINGS = (("--max_shard_size", "max_shard_size", {}),
+                       ("--exclude_frozen_parameters", "exclude_frozen", {"action": "store_true"}),
+                       ("-t", "tag", {}))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,9 +34,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "the fp32 master weights of a DeepSpeed ZeRO-1/2/3 checkpoint (plus "
                     "frozen parameters and buffers), into model.safetensors, or "
                     "model-0000i-of-0000N.safetensors + model.safetensors.index.json, streaming "
-                    "with bounded memory. deepspeed is not needed.")
-    p.add_argument("src", metavar="SRC", help="checkpoint folder (ours or DeepSpeed's, holding "
-                                              "'latest' or the tag folder named by --tag)")
+                    "with bounded memory. deepspeed is not needed. DeepSpeed's zero_to_fp32.py "
+                    "spellings are accepted too: -t, --max_shard_size, "
+                    "--exclude_frozen_parameters, --safe_serialization (the output is always "
+                    "safetensors) and -d (--debug).")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder (ours or DeepSpeed's: the one "
+                                              "holding 'latest', or a generation or tag "
+                                              "folder in it)")
     p.add_argument("out", metavar="OUT", help="output folder (created; earlier model*.safetensors "
                                               "files in it are replaced)")
     p.add_argument("--max-shard-size", default="5GB",
@@ -45,6 +58,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--window-size", default="64MiB",
                    help="bytes per reusable I/O buffer; at most 5 are in use at once "
                         "(default: 64MiB)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: what was written, bytes, seconds")
+    for flag, dest, extra in DEEPSPEED_SPELLINGS:
+        p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **extra)
+    p.add_argument("--safe_serialization", action="store_true", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
+    p.add_argument("-d", dest="debug", action="store_true", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
     p.set_defaults(run=run)
     return p
 
@@ -53,25 +74,50 @@ def run(args: argparse.Namespace) -> int:
     max_shard = parse_size(args.max_shard_size)
     window = parse_size(args.window_size)
     dtype = args.dtype
-    with open_source(args.src, args.tag) as source:
-        if source.info.kind == "store":
-            raise ValueError(f"{args.src}: a live store directory holds optimizer state, not "
-                             f"the model's weights; consolidate a checkpoint (save_checkpoint)")
+    started = time.perf_counter()
+    with open_weights(args.src, args.tag) as source:
         progress = ProgressLine() if sys.stderr.isatty() else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
                              window_bytes=window, exclude_frozen=args.exclude_frozen,
                              progress=progress)
+        written_s = time.perf_counter() - started
         shards = sum(f.endswith(".safetensors") for f in result.files)
-        print(f"{source.describe()}: wrote {result.tensors} tensors, {result.total_bytes} bytes, "
-              f"{shards} shard(s){' + index' if result.index else ''} to {args.out}"
-              + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
-                 if result.aliases else ""))
+        if not args.json:
+            print(f"{source.describe()}: wrote {result.tensors} tensors, {result.total_bytes} "
+                  f"bytes, {shards} shard(s){' + index' if result.index else ''} to {args.out}"
+                  + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
+                     if result.aliases else ""))
+        problems = None
         if args.verify:
             problems = verify_output(source, args.out, dtype=dtype, chunk_bytes=window,
                                      exclude_frozen=args.exclude_frozen)
-            if problems:
-                for line in problems:
-                    print(f"offload-engine consolidate: verify: {line}", file=sys.stderr)
-                return 1
-            print(f"verified: every tensor in {args.out} matches the checkpoint")
-    return 0
+            for line in problems:
+                print(f"offload-engine consolidate: verify: {line}", file=sys.stderr)
+            if not problems and not args.json:
+                print(f"verified: every tensor in {args.out} matches the checkpoint")
+        if args.json:
+            print(json.dumps(_summary(source, result, args, written_s, problems,
+                                      time.perf_counter() - started), indent=2))
+    return 1 if problems else 0
+
+
+def _summary(source, result, args, written_s: float, problems, total_s: float) -> dict:
+    """The --json object: input, output files (name, bytes), counts, seconds."""
+    info = source.info
+    return {
+        "source": {"kind": info.kind, "path": info.path, "format": info.format,
+                   "generation": info.generation, "world_size": info.world_size},
+        "out": os.path.abspath(args.out),
+        "files": [{"name": f, "bytes": os.path.getsize(os.path.join(args.out, f))}
+                  for f in result.files],
+        "tensors": result.tensors,
+        "tensor_bytes": result.total_bytes,
+        "dtype": args.dtype,
+        "aliases": result.aliases,
+        "excluded_frozen": bool(args.exclude_frozen),
+        "peak_buffer_bytes": result.peak_buffer_bytes,
+        "write_seconds": round(written_s, 3),
+        "verified": None if problems is None else not problems,
+        "verify_problems": problems or [],
+        "seconds": round(total_s, 3),
+    }
