@@ -156,8 +156,11 @@ def test_list_safetensors_file_and_index(tmp_path, capsys):
         assert rc == 0, err
         doc = json.loads(out)
         assert doc["summary"]["kind"] == "safetensors"
-        names = {r["name"] for r in doc["tensors"]}
-        assert "emb.weight" in names and "head.weight" not in names  # an alias, not a tensor
+        rows = {r["name"]: r for r in doc["tensors"]}
+        assert rows["emb.weight"]["kind"] == "param"
+        # an alias, listed as one: it stores nothing of its own
+        assert rows["head.weight"]["kind"] == "tied" and rows["head.weight"]["bytes"] == 0
+        assert rows["head.weight"]["tied_to"] == "emb.weight"
         assert len(doc["summary"]["files"]) == 1 + len(glob.glob(str(tmp_path / "hf" / "*.safetensors")))
     with open_source(str(index)) as s:
         assert s.aliases() == {"head.weight": "emb.weight"}

@@ -7,6 +7,8 @@ Exit codes: 0 written; 2 bad input (unknown tensor or state, corrupt data, bad c
 from __future__ import annotations
 
 import argparse
+import json
+import time
 
 from ..offline.export import export_tensor
 from ..units import format_bytes
@@ -35,13 +37,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                             "bfloat16: use float32 for .npy)")
     p.add_argument("--generation", "--tag", dest="generation", metavar="G",
                    help="checkpoint generation or DeepSpeed tag (default: 'latest')")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: what was written, bytes, seconds")
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     with open_input(args.path, args.generation) as source:
         r = export_tensor(source, args.name, args.out, state=args.state, dtype=args.dtype)
+    if args.json:
+        print(json.dumps({**r, "source": source.info.path,
+                          "seconds": round(time.perf_counter() - started, 3)}, indent=2))
+        return 0
     print(f"wrote {r['name']} ({r['state']}, shape {r['shape']}, {r['dtype']}) to {r['path']} "
           f"({format_bytes(r['bytes'])})")
     return 0

@@ -16,7 +16,7 @@ import sys
 
 from ..formats import KIND_LABELS, open_source
 from ..offline.health import health_summary
-from ..offline.select import select
+from ..offline.select import name_matches, select
 from ..units import format_bytes, parse_bytes
 from .progress import ProgressLine
 
@@ -102,7 +102,23 @@ def summarise(source, selected) -> dict:
     }
 
 
-def _tensor_rows(selected) -> list[dict]:
+def tied_aliases(source, names) -> dict[str, str]:
+    """``{alias: owner}`` of the tied names that match ``names`` (``--name`` globs)."""
+    return {a: o for a, o in source.aliases().items() if name_matches(a, names)}
+
+
+def _tied_row(alias: str, owner) -> dict:
+    return {"name": alias, "shape": list(owner.shape), "dtype": _dtype(owner.dtype),
+            "optimizer": None, "kind": "tied", "tied_to": owner.name, "states": [], "bytes": 0}
+
+
+def _tensor_rows(source, selected, aliases: dict[str, str]) -> list[dict]:
+    """One row per selected tensor; a tied name follows its owner as a row of its own
+    (``tied_to`` the owner; no states or bytes: it stores nothing), or comes last when
+    its owner is not selected."""
+    tied_to: dict[str, list[str]] = {}
+    for alias, owner in aliases.items():
+        tied_to.setdefault(owner, []).append(alias)
     rows = []
     for t, states in selected:
         row = {"name": t.name, "shape": list(t.shape), "dtype": _dtype(t.dtype),
@@ -111,6 +127,9 @@ def _tensor_rows(selected) -> list[dict]:
         if t.kind == "array":
             row.update(numel=t.numel, home=t.home)
         rows.append(row)
+        rows.extend(_tied_row(alias, t) for alias in tied_to.pop(t.name, ()))
+    for owner, names in tied_to.items():
+        rows.extend(_tied_row(alias, source.tensor(owner)) for alias in names)
     return rows
 
 
@@ -136,6 +155,8 @@ def print_summary(s: dict, out) -> None:
         print(f"world size  {s['world_size']}", file=out)
     kinds = ", ".join(f"{n} {k}" for k, n in s["tensor_kinds"].items())
     print(f"tensors     {s['tensors']}" + (f" ({kinds})" if kinds else ""), file=out)
+    if s.get("aliases"):
+        print("tied        " + ", ".join(f"{a} = {o}" for a, o in s["aliases"].items()), file=out)
     print("dtypes      " + ", ".join(f"{d} {n}" for d, n in s["dtypes"].items()), file=out)
     print("bytes       " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_by_state"].items()),
           file=out)
@@ -165,7 +186,8 @@ def print_tensors(rows: list[dict], out) -> None:
         return
     _table(["NAME", "SHAPE", "DTYPE", "OPTIMIZER", "STATES"],
            [[r["name"], "[" + ", ".join(map(str, r["shape"])) + "]", r["dtype"],
-             r["optimizer"] or ("-" if r["kind"] == "param" else r["kind"]), ", ".join(r["states"])]
+             r["optimizer"] or ("-" if r["kind"] == "param" else r["kind"]),
+             f"= {r['tied_to']}" if r["kind"] == "tied" else ", ".join(r["states"])]
             for r in rows], out)
 
 
@@ -217,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
     with open_input(args.path, args.generation, window_bytes=window) as source:
         selected = select(source.tensors(), args.name, args.state)
         summary = summarise(source, selected)
-        rows = _tensor_rows(selected)
+        aliases = tied_aliases(source, args.name)
+        summary["aliases"] = aliases
+        rows = _tensor_rows(source, selected, aliases)
         want_stats = args.stats or args.plot
         result = {"summary": summary, "tensors": rows}
         if want_stats:

@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from .. import __version__
+
 # subcommand name -> module under offload_engine.cli
 COMMANDS = {
     "demo": "demo",
@@ -22,6 +24,9 @@ COMMANDS = {
     "diff": "diff",
     "export": "export",
 }
+
+
+EXIT_CLOSED_PIPE = 141
 
 
 class UserError(Exception):
@@ -35,6 +40,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="offload-engine",
         description="Optimizer-state offload engine: benchmarks, checkpoint tools and the demo.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=f"offload-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         if only is not None and name != only:
@@ -57,12 +63,16 @@ def _command_in(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(only=_command_in(argv))
+    command = _command_in(argv)
+    # --version alone loads no subcommand (each one imports numpy or torch)
+    parser = build_parser(only="" if command is None and "--version" in argv else command)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:
+        return _closed_pipe()
     except (UserError, OSError, ValueError) as e:
         if args.debug:
             raise
@@ -72,12 +82,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``| head``): stop quietly, as a process killed by
+    SIGPIPE would, with its exit code (128 + 13). Later writes and the final flush go to
+    /dev/null instead of raising again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_CLOSED_PIPE
+
+
 def entry() -> None:
     """Console-script entry: run, flush, and leave without tearing down torch's globals
     (about 0.4 s at exit that a short command like consolidate or plan should not pay).
     Every command has finished its work and cleaned up before ``main`` returns."""
     rc = main()
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the last buffered lines found the pipe closed
+        rc = _closed_pipe()
     sys.stderr.flush()
     logging.shutdown()
     os._exit(rc)
