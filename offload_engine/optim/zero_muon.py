@@ -231,7 +231,7 @@ class ZeroMuon(torch.optim.Optimizer):
 
     def _check_budget(self, cfg: StoreConfig, total: int) -> int:
         """Raise if the pool cannot hold what a step needs; return the bytes left over."""
-        homes = {n: cfg.homes.get(self.array_name(n), cfg.default_home) for n in self.layout.arrays}
+        homes = {n: cfg.home_of(self.array_name(n)) for n in self.layout.arrays}
         if "auto" in homes.values():
             return 0  # the store decides; it keeps working room itself
         use = pool_use(self.layout, homes, cfg.cpu_budget)

@@ -6,6 +6,7 @@ Sizes take ints or strings such as "8GiB" / "5GB". A config loads from a dict or
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from typing import Annotated, Literal
 
@@ -38,7 +39,8 @@ class StoreConfig(BaseModel):
         "cached are used first."))
     default_home: Literal["auto", "gpu", "cpu", "nvme"] = Field("nvme", description=(
         "Home tier of arrays not named in `homes`; 'auto' fills gpu, then cpu, then nvme."))
-    homes: dict[str, Tier] = Field(default_factory=dict, description="Home tier per array name.")
+    homes: dict[str, Tier] = Field(default_factory=dict, description=(
+        "Home tier per array name, or per fnmatch pattern ('rank*/muon_momentum')."))
     acquire_timeout_s: float = Field(60.0, gt=0, description=(
         "Longest wait for pinned space before acquire() fails with a clear error."))
 
@@ -57,6 +59,16 @@ class StoreConfig(BaseModel):
         if "nvme" in self.homes.values() and not self.nvme_paths:
             raise ValueError("an array's home is 'nvme' but nvme_paths is empty")
         return self
+
+    def home_of(self, name: str) -> str:
+        """The home tier of array ``name``: its entry in ``homes``, else the first pattern
+        there that matches it (fnmatch, in the order written), else ``default_home``."""
+        if name in self.homes:
+            return self.homes[name]
+        for pattern, tier in self.homes.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return tier
+        return self.default_home
 
     @classmethod
     def load(cls, data: dict, source: str = "store config") -> "StoreConfig":

@@ -168,7 +168,7 @@ class TieredStore:
             return arr
 
     def _choose_home(self, name: str, home: str | None, nbytes: int) -> str:
-        home = home or self.config.homes.get(name) or self.config.default_home
+        home = home or self.config.home_of(name)
         if home == "auto":
             # fill the GPU, then the pinned pool (keeping room for the NVMe working set), then NVMe
             reserve = (self.config.prefetch_depth + 2) * self.config.bucket_bytes
