@@ -98,3 +98,21 @@ def test_bench_io_is_still_there(capsys):
         main(["bench", "io", "--help"])
     assert e.value.code == 0
     assert "--queue-depth" in capsys.readouterr().out
+
+
+def test_best_point_as_a_deepspeed_aio_block_round_trips(tmp_path, cache, capsys):
+    """`bench disk --deepspeed-aio` prints an aio block; `config from-deepspeed` maps it back
+    to the point that was measured best."""
+    from offload_engine.plan.deepspeed_config import translate
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert main(["bench", "disk", "--path", str(disk), "--quick", *TINY, "--threads", "1,2",
+                 "--deepspeed-aio"]) == 0
+    block = json.loads(capsys.readouterr().out)
+    assert set(block) == {"aio"}
+    best = disk_profile.load_profile(str(disk))["best"]
+    assert block["aio"]["block_size"] == best["block_size"]
+    store = translate(block).store
+    assert store["block_size"] == best["block_size"]
+    assert store["queue_depth"] == min(best["queue_depth"], best["io_threads"])

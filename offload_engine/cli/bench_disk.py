@@ -72,6 +72,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="runs per point, median kept (default 2, 1 with --quick)")
     p.add_argument("--no-cache", action="store_true", help="do not save the result")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--deepspeed-aio", action="store_true",
+                   help="print only the best point as a DeepSpeed \"aio\" config block")
     p.set_defaults(run=run)
     return p
 
@@ -101,11 +103,24 @@ def run(args) -> int:
     result = sweep(args.path, say=say, **cfg)
     if not args.no_cache:
         result["cache_file"] = disk_profile.save_profile(args.path, result)
-    if args.json:
+    if args.deepspeed_aio:
+        print(json.dumps({"aio": deepspeed_aio(result["best"])}, indent=2))
+    elif args.json:
         print(json.dumps(result, indent=2))
     else:
         print(format_table(result))
     return 0
+
+
+def deepspeed_aio(best: dict) -> dict:
+    """The best point as DeepSpeed's ``aio`` block: the same block size and the same
+    requests in flight (DeepSpeed keeps ``queue_depth`` per thread on
+    ``intra_op_parallelism`` threads; our point had ``min(queue_depth, io_threads)`` in
+    flight). ``config from-deepspeed`` maps it back to the same point."""
+    return {"block_size": best["block_size"],
+            "queue_depth": min(best["queue_depth"], best["io_threads"]),
+            "intra_op_parallelism": 1, "single_submit": False, "overlap_events": True,
+            "use_gds": False}
 
 
 def sweep(path: str, *, size: int, block_sizes: list[int], queue_depths: list[int],

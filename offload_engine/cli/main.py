@@ -23,6 +23,7 @@ COMMANDS = {
     "inspect": "inspect",
     "diff": "diff",
     "export": "export",
+    "config": "config",
 }
 
 
