@@ -30,7 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "consolidate",
         help="merge an offload-engine or DeepSpeed ZeRO-1/2/3 checkpoint into Hugging Face "
              "(sharded) safetensors",
-        description="Merge the parameters of an offload-engine checkpoint (any world size), or "
+        description="Merge the weights of an offload-engine checkpoint (any world size; its fp32 "
+                    "masters where the run kept them), or "
                     "the fp32 master weights of a DeepSpeed ZeRO-1/2/3 checkpoint (plus "
                     "frozen parameters and buffers), into model.safetensors, or "
                     "model-0000i-of-0000N.safetensors + model.safetensors.index.json, streaming "

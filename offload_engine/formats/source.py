@@ -28,8 +28,9 @@ from .errors import FormatError
 # The state that stands for the tensor's value, in order of preference ("weights": diff and
 # export); ``master_param`` is torch's (and ZeroMuon's) key for the fp32 master copy.
 WEIGHT_STATES = ("master", "master_param", "param")
-# The state consolidate writes: DeepSpeed's fp32 masters, else the parameter.
-VALUE_STATES = ("master", "param")
+# The state consolidate writes: the fp32 masters where the run kept them (DeepSpeed's
+# ``master``, ZeroMuon's ``master_param`` with master_weights=True), else the parameter.
+VALUE_STATES = ("master", "master_param", "param")
 
 
 @dataclass
@@ -93,8 +94,8 @@ class TensorMeta:
         return next(iter(self.states)) if len(self.states) == 1 else None
 
     def value_state(self) -> str:
-        """The state ``consolidate`` writes for this tensor: ``master`` where the format
-        keeps one (DeepSpeed), else ``param``. A tensor with neither (optimizer state
+        """The state ``consolidate`` writes for this tensor: the fp32 master where the run
+        kept one (``master``: DeepSpeed; ``master_param``: ZeroMuon), else ``param``. A tensor with neither (optimizer state
         alone, as a live store keeps it) has no value to write: FormatError."""
         for s in VALUE_STATES:
             if s in self.states:
