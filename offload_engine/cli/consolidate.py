@@ -14,6 +14,7 @@ import sys
 import time
 
 from ..offline.consolidate import OUTPUT_DTYPES, consolidate, verify_output
+from ..offline.hf_extras import copy_extras, find_extras
 from ..offline.hf_shards import parse_size
 from ..offline.state_dict import open_weights
 from .progress import ProgressLine
@@ -59,6 +60,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--window-size", default="64MiB",
                    help="bytes per reusable I/O buffer; at most 5 are in use at once "
                         "(default: 64MiB)")
+    p.add_argument("--no-copy-config", dest="copy_config", action="store_false",
+                   help="do not copy config.json, generation_config.json and tokenizer files "
+                        "found beside the checkpoint into OUT (copied by default, so "
+                        "from_pretrained(OUT) works)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: what was written, bytes, seconds")
     for flag, dest, extra in DEEPSPEED_SPELLINGS:
@@ -81,13 +86,15 @@ def run(args: argparse.Namespace) -> int:
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
                              window_bytes=window, exclude_frozen=args.exclude_frozen,
                              progress=progress)
+        copied = copy_extras(find_extras(args.src), args.out) if args.copy_config else []
         written_s = time.perf_counter() - started
         shards = sum(f.endswith(".safetensors") for f in result.files)
         if not args.json:
             print(f"{source.describe()}: wrote {result.tensors} tensors, {result.total_bytes} "
                   f"bytes, {shards} shard(s){' + index' if result.index else ''} to {args.out}"
                   + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
-                     if result.aliases else ""))
+                     if result.aliases else "")
+                  + (f"; copied {', '.join(copied)}" if copied else ""))
         problems = None
         if args.verify:
             problems = verify_output(source, args.out, dtype=dtype, chunk_bytes=window,
@@ -98,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"verified: every tensor in {args.out} matches the checkpoint")
         if args.json:
             print(json.dumps(_summary(source, result, args, written_s, problems,
-                                      time.perf_counter() - started), indent=2))
+                                      time.perf_counter() - started, copied), indent=2))
     return 1 if problems else 0
 
 
-def _summary(source, result, args, written_s: float, problems, total_s: float) -> dict:
+def _summary(source, result, args, written_s: float, problems, total_s: float,
+             copied: list[str]) -> dict:
     """The --json object: input, output files (name, bytes), counts, seconds."""
     info = source.info
     return {
@@ -115,6 +123,7 @@ def _summary(source, result, args, written_s: float, problems, total_s: float) -
         "tensor_bytes": result.total_bytes,
         "dtype": args.dtype,
         "aliases": result.aliases,
+        "copied": copied,
         "excluded_frozen": bool(args.exclude_frozen),
         "peak_buffer_bytes": result.peak_buffer_bytes,
         "write_seconds": round(written_s, 3),

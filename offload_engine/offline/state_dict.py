@@ -27,6 +27,7 @@ from ..dtypes import FLOAT32
 from ..formats import FormatError, ReadRequest, TensorSource, open_source
 from .consolidate import (ConsolidateResult, Written, consolidate, output_dtype,
                           written_aliases, written_tensors)
+from .hf_extras import copy_extras, find_extras
 from .hf_shards import parse_size
 
 log = logging.getLogger(__name__)
@@ -132,15 +133,20 @@ class LazyStateDict(Mapping):
 
 def convert_to_safetensors(path: str, out: str, max_shard_size: int | str = "5GB",
                            tag: str | None = None, exclude_frozen: bool = False,
-                           dtype: str = "fp32") -> ConsolidateResult:
+                           dtype: str = "fp32", copy_config: bool = True) -> ConsolidateResult:
     """Write the checkpoint at ``path`` to folder ``out`` as Hugging Face safetensors
     (``model.safetensors``, or shards of at most ``max_shard_size`` bytes, "5GB" counting
     in powers of ten as Hugging Face does, plus ``model.safetensors.index.json``), streaming
     with memory independent of the model's size: what ``offload-engine consolidate`` does.
-    Tied names are written once and recorded as aliases. Returns what was written."""
+    Tied names are written once and recorded as aliases. ``copy_config``: also copy
+    config.json, generation_config.json and tokenizer files found beside the checkpoint
+    (``hf_extras``), so ``from_pretrained(out)`` works. Returns what was written."""
     with open_weights(path, tag) as source:
-        return consolidate(source, out, max_shard_bytes=parse_size(max_shard_size),
-                           dtype=dtype, exclude_frozen=exclude_frozen)
+        result = consolidate(source, out, max_shard_bytes=parse_size(max_shard_size),
+                             dtype=dtype, exclude_frozen=exclude_frozen)
+    if copy_config:
+        result.files.extend(copy_extras(find_extras(path), out))
+    return result
 
 
 def load_state_dict_from_checkpoint(model, path: str, tag: str | None = None,
