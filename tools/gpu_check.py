@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""What only a GPU can show, in one short run that prints JSON (tools/gpu_check.sh runs it).
+
+Sections, each independent (a failure is recorded with its error and the next one runs):
+
+- ``parity``: ZeroMuon against ``torch.optim.Muon`` + ``torch.optim.AdamW`` (single-tensor
+  path, ``foreach=False``) on the same device, same gradients, several steps, odd shapes:
+  whether every parameter is bitwise equal, and otherwise the largest difference in units
+  in the last place (ulp) per parameter.
+- ``copies``: host-to-device and device-to-host GB/s of the store's pinned pool
+  (``io.BufferPool``) against torch copies from pageable and from pinned tensors.
+- ``step``: ZeroMuon's step at world size 1 with the state homed on the local disk, in
+  pinned host memory and in GPU memory: median step time and the share of it spent
+  waiting for the store (``StepStats.store_io_wait_s``).
+- ``gpu_tier``: the store's GPU tier: an array homed on the GPU, acquired on CUDA, hits
+  and the bytes it moved over PCIe (none).
+
+Without CUDA, ``parity`` and ``step`` run on the CPU at a small size (their CUDA halves are
+reported as skipped) so the script itself is exercised anywhere.
+
+    python tools/gpu_check.py --path /local/nvme/dir [--size small|full] > gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from offload_engine.io import BufferPool  # noqa: E402
+from offload_engine.optim import ZeroMuon, default_use_muon  # noqa: E402
+from offload_engine.store import TieredStore  # noqa: E402
+
+MiB = 1 << 20
+PARITY_SHAPES = {"embed_tokens": (50, 24), "w_tall": (96, 32), "w_wide": (32, 160),
+                 "w_odd": (37, 23), "w_row": (1, 65), "norm_weight": (24,), "lm_head": (50, 24)}
+MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
+
+
+class Bag(nn.Module):
+    def __init__(self, shapes: dict, device, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=g).to(device)))
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between float32 ``a`` and ``b`` in units in the last place."""
+    def ordered(x):
+        bits = x.float().contiguous().view(torch.int32).long()
+        mag = bits & 0x7FFFFFFF
+        return torch.where(bits < 0, -mag, mag)
+    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
+
+
+def section(fn, *args):
+    t0 = time.perf_counter()
+    try:
+        out = fn(*args)
+    except Exception as e:  # recorded, so one failure does not hide the other sections
+        out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def check_parity(device: str, tmp: str, steps: int = 4) -> dict:
+    model = Bag(PARITY_SHAPES, device)
+    ref = Bag(PARITY_SHAPES, device)
+    store = {"nvme_paths": [os.path.join(tmp, "parity")], "bucket_bytes": 64 * 1024,
+             "cpu_budget": 64 * 64 * 1024, "prefetch_depth": 2}
+    muon_ref = [p for n, p in ref.named_parameters() if default_use_muon(n, p)]
+    adam_ref = [p for n, p in ref.named_parameters() if not default_use_muon(n, p)]
+    refs = [torch.optim.Muon(muon_ref, **MUON),
+            torch.optim.AdamW(adam_ref, **ADAMW, foreach=False)]
+    g = torch.Generator().manual_seed(7)
+    with ZeroMuon(model.named_parameters(), **MUON, adamw=dict(ADAMW), store=store) as opt:
+        for _ in range(steps):
+            for p, q in zip(model.parameters(), ref.parameters()):
+                grad = torch.randn(p.shape, generator=g).to(device)
+                p.grad, q.grad = grad.clone(), grad.clone()
+            opt.step()
+            for o in refs:
+                o.step()
+    per = {n: ulp_distance(p.detach(), q.detach())
+           for (n, p), q in zip(model.named_parameters(), ref.parameters())}
+    return {"device": device, "steps": steps, "bitwise": all(v == 0 for v in per.values()),
+            "max_ulp_per_param": per}
+
+
+def _gbps(nbytes: int, fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return round(nbytes / statistics.median(times) / 1e9, 2)
+
+
+def check_copies(nbytes: int) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA"}
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    with BufferPool(nbytes) as pool:
+        buf = pool.acquire(nbytes)
+        ours = buf.bytes
+        out = {"bytes": nbytes, "pool_pinned": bool(pool.pinned),
+               "h2d_gbps": {"pool": _gbps(nbytes, lambda: dev.copy_(ours, non_blocking=True)),
+                            "torch_pinned": _gbps(nbytes, lambda: dev.copy_(pinned, non_blocking=True)),
+                            "torch_pageable": _gbps(nbytes, lambda: dev.copy_(pageable))},
+               "d2h_gbps": {"pool": _gbps(nbytes, lambda: ours.copy_(dev, non_blocking=True)),
+                            "torch_pinned": _gbps(nbytes, lambda: pinned.copy_(dev, non_blocking=True)),
+                            "torch_pageable": _gbps(nbytes, lambda: pageable.copy_(dev))}}
+        buf.release()
+    return out
+
+
+def _step_model(device: str, layers: int, dim: int) -> nn.Module:
+    shapes = {"embed_tokens": (4 * dim, dim), "lm_head": (4 * dim, dim)}
+    for i in range(layers):
+        shapes[f"l{i}_attn"] = (dim, dim)
+        shapes[f"l{i}_mlp"] = (4 * dim, dim)
+        shapes[f"l{i}_norm"] = (dim,)
+    return Bag(shapes, device, seed=1)
+
+
+def check_step(device: str, tmp: str, layers: int, dim: int, steps: int) -> dict:
+    homes = {"nvme": {"default_home": "nvme"}, "cpu": {"default_home": "cpu"}}
+    if device == "cuda":
+        homes["gpu"] = {"default_home": "gpu"}
+    model = _step_model(device, layers, dim)
+    state_bytes = sum(p.numel() for p in model.parameters()) * 4 * 2  # momentum or m+v, about
+    bucket = 8 * MiB if dim >= 1024 else 256 * 1024
+    out = {"device": device, "params": sum(p.numel() for p in model.parameters()), "homes": {}}
+    for home, cfg in homes.items():
+        store = dict(cfg, bucket_bytes=bucket, prefetch_depth=4,
+                     nvme_paths=[os.path.join(tmp, f"step-{home}")],
+                     cpu_budget=(state_bytes + 64 * bucket) if home == "cpu" else 64 * bucket,
+                     gpu_budget=(state_bytes + 64 * bucket) if home == "gpu" else 0)
+        times, waits = [], []
+        with ZeroMuon(model.named_parameters(), **MUON, adamw=dict(ADAMW), store=store) as opt:
+            g = torch.Generator(device=device).manual_seed(3)
+            for i in range(steps + 1):
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, generator=g, device=device)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                opt.step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if i:  # the first step creates the state: not measured
+                    times.append(time.perf_counter() - t0)
+                    waits.append(opt.last_step_stats.store_io_wait_s)
+        step_s = statistics.median(times)
+        out["homes"][home] = {"step_s": round(step_s, 4),
+                              "io_wait_share": round(statistics.median(waits) / step_s, 3)}
+    return out
+
+
+def check_gpu_tier(tmp: str) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA"}
+    cfg = {"nvme_paths": [os.path.join(tmp, "tier")], "bucket_bytes": MiB, "cpu_budget": 8 * MiB,
+           "gpu_budget": 64 * MiB, "homes": {"g": "gpu"}}
+    with TieredStore(cfg) as store:
+        store.register("g", torch.float32, 16 * MiB // 4)
+        for _ in range(2):
+            for b in range(16):
+                h = store.acquire("g", b, device="cuda")
+                h.tensor.add_(1)
+                store.release(h, dirty=True)
+        torch.cuda.synchronize()
+        h = store.acquire("g", 0, device="cuda")
+        value = float(h.tensor[0])
+        store.release(h)
+        stats = store.stats().as_dict()
+    return {"value_after_two_passes": value, "correct": value == 2.0, "stats": stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--path", default=None, help="directory on the local disk (default: a temp dir)")
+    ap.add_argument("--size", choices=("small", "full"), default=None,
+                    help="model size for the step section (default: full with CUDA, small without)")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    size = args.size or ("full" if cuda else "small")
+    layers, dim, steps = (16, 2048, 5) if size == "full" else (4, 128, 3)
+    tmp = tempfile.mkdtemp(prefix="gpu-check-", dir=args.path)
+    try:
+        device = "cuda" if cuda else "cpu"
+        report = {
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "cuda": cuda, "gpu": torch.cuda.get_device_name(0) if cuda else None,
+                        "path": tmp, "size": size},
+            "parity": section(check_parity, device, tmp),
+            "copies": section(check_copies, 512 * MiB),
+            "step": section(check_step, device, tmp, layers, dim, steps),
+            "gpu_tier": section(check_gpu_tier, tmp),
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(report, indent=2))
+    return 0 if not any("error" in v for k, v in report.items() if k != "machine") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
