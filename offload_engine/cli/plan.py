@@ -31,7 +31,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="M",
                    help="config.json, *.safetensors, model.safetensors.index.json, a JSON list "
                         "of named shapes, or a directory holding one")
-    p.add_argument("--world-size", required=True, type=positive_int, metavar="W", help="ranks (GPUs)")
+    p.add_argument("--world-size", type=positive_int, metavar="W",
+                   help="ranks (GPUs); may be left out with --mesh")
+    p.add_argument("--mesh", metavar="SPEC",
+                   help="a 2-D mesh: dp_replicate=R,dp_shard=S,tp=T (missing axes 1), or a "
+                        "torchtitan [parallelism] block as JSON or a JSON file (-1: the rest "
+                        "of --world-size); per-rank and per-node figures are for one shard "
+                        "group of S x T ranks, which must fill whole nodes")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
                    help="ranks per node (default 8; fewer if W is smaller)")
     p.add_argument("--gpu-mem", type=byte_size, default=80 * 10**9, metavar="SIZE",
@@ -126,6 +132,35 @@ def machine_from_args(args):
     return m
 
 
+def add_mesh(doc: dict, mesh, model, args, opts) -> None:
+    """The plan of one shard group, extended to the whole mesh (plan/mesh.py)."""
+    from ..plan.mesh import mesh_figures
+    from ..plan.planner import kinds_for
+    kinds = kinds_for(model, args.optimizer)
+    shapes = [tuple(t.shape) for t, k in zip(model.tensors, kinds) if k == "muon"]
+    t = doc["traffic"]
+    figures = mesh_figures(mesh, args.gpus_per_node, shapes, opts.ns_steps,
+                           max(t["nvme_read_bytes_per_step_per_node"]),
+                           max(t["nvme_written_bytes_per_step_per_node"]),
+                           int(doc["model"]["state_bytes_per_param"] * doc["model"]["params"]))
+    doc["mesh"] = figures
+    doc["inputs"].update(world_size=mesh.world_size, nodes=figures["nodes"])
+    a2a, mesh_a2a = t["all_to_all_bytes_per_step_per_rank"], figures["all_to_all_bytes_per_step_per_rank"]
+    if mesh.dp_replicate == 1:
+        # dp x tp boxes of even shapes are the sizes of row blocks over dp x tp ranks: the
+        # shard group's exact figure (bundles, owners, short rows) is the mesh's
+        mesh_a2a.update(each_way=max(a2a["sent"], a2a["received"]), rule="exact: the shard "
+                        "group's exchange, from the layout (boxes of row-block sizes)")
+    else:
+        a2a.update(sent=mesh_a2a["each_way"], received=mesh_a2a["each_way"],
+                   design_formula=mesh_a2a["each_way"])
+    doc["verdict"]["notes"].append(
+        f"mesh {mesh.dp_replicate} x {mesh.dp_shard} x {mesh.tp} (dp_replicate x dp_shard x "
+        f"tp): per-rank and per-node figures are one shard group's ({mesh.shard_group} ranks, "
+        f"boxes counted as row blocks of the same size); the smallest world size is of a "
+        f"shard group")
+
+
 def _host_memory() -> int:
     import psutil
     return int(psutil.virtual_memory().total)
@@ -136,8 +171,15 @@ def run(args) -> int:
     from ..plan.memory import PlanOptions
     from ..plan.model_shapes import load_model
     from ..plan.planner import Workload, build_plan
+    from ..plan.mesh import check_nodes, parse_mesh
+    mesh = parse_mesh(args.mesh, args.world_size) if args.mesh else None
+    if mesh is None and args.world_size is None:
+        raise ValueError("--world-size is needed (or --mesh)")
+    if mesh is not None:
+        check_nodes(mesh, args.gpus_per_node)
     model = load_model(args.model)
-    opts = PlanOptions(world_size=args.world_size, gpus_per_node=args.gpus_per_node,
+    opts = PlanOptions(world_size=mesh.shard_group if mesh else args.world_size,
+                       gpus_per_node=args.gpus_per_node,
                        param_dtype=dtype(args.param_dtype), master_weights=args.master_offload,
                        bucket_bytes=args.bucket_bytes, prefetch_depth=args.prefetch_depth,
                        device="cpu" if args.param_offload or args.device == "cpu" else "cuda",
@@ -146,9 +188,12 @@ def run(args) -> int:
         raise ValueError("--prefetch-depth must be >= 0")
     machine = machine_from_args(args)
     workload = Workload(step_time_s=args.step_time, tokens_per_step=args.tokens_per_step,
-                        gpu_tflops=args.gpu_tflops, mfu=args.mfu, activations=args.activations)
+                        gpu_tflops=args.gpu_tflops, mfu=args.mfu, activations=args.activations,
+                        compute_ranks=mesh.world_size if mesh else None)
     doc = build_plan(model, opts, machine, workload, optimizer=args.optimizer, home=args.home,
                      cpu_budget=args.cpu_budget)
+    if mesh is not None:
+        add_mesh(doc, mesh, model, args, opts)
     if args.emit_config:
         with open(args.emit_config, "w") as f:
             json.dump(doc["store_config"], f, indent=2)
@@ -256,6 +301,21 @@ def format_plan(doc: dict) -> str:
         ok = "within" if t["endurance_ok"] else "OVER"
         out.append(f"drive writes per day: {t['drive_writes_per_day']:.2f} ({ok} the {t['dwpd_rating']:g} "
                    f"DWPD rating; {t['step_time_source']}, {t['step_time_s']:.3f} s per step)")
+    if doc.get("mesh"):
+        ms = doc["mesh"]
+        a2a = ms["all_to_all_bytes_per_step_per_rank"]
+        ns = ms["newton_schulz_flops_per_step"]
+        nv = ms["nvme_bytes_per_step_all_nodes"]
+        out.append(f"mesh: dp_replicate {ms['dp_replicate']} x dp_shard {ms['dp_shard']} x tp "
+                   f"{ms['tp']} = {ms['world_size']} ranks on {ms['nodes']} node(s); shard group "
+                   f"{ms['shard_group_ranks']} ranks ({ms['nodes_per_shard_group']} node(s)), "
+                   f"state kept {ms['state_copies']} time(s): {_b(ms['state_bytes_all_replicas'])}")
+        out.append(f"  all_to_all per rank and step: {_b(a2a['each_way'])} each way, "
+                   f"{_b(a2a['between_replicas'])} of it between replicas")
+        out.append(f"  Newton-Schulz per step: {ns['total'] / 1e12:.1f} TFLOP, "
+                   f"{ns['per_rank'] / 1e12:.3f} TFLOP per rank")
+        out.append(f"  NVMe traffic per step, all nodes: read {_b(nv['read'])}, written "
+                   f"{_b(nv['written'])}")
     out.append("")
     smallest = v["smallest_world_size"]
     out.append(f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'}; binding tier: {v['binding'] or '-'}; "

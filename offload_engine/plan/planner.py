@@ -55,6 +55,8 @@ class Workload:
     gpu_tflops: float = 989.0               # dense bf16 peak per GPU (H100 SXM)
     mfu: float = 0.4
     activations: int = 0                    # bytes per GPU, not modelled: given by the user
+    compute_ranks: int | None = None        # GPUs sharing the model's FLOPs (default: world size;
+                                            # a mesh plan covers one shard group of more ranks)
 
 
 def kinds_for(model: ModelShapes, optimizer: str) -> list[str]:
@@ -270,7 +272,7 @@ def _traffic(per_rank, ios, node, opts, machine: Machine, workload: Workload, mo
     t_comp = None
     if workload.tokens_per_step:
         t_comp = 6 * model.numel * workload.tokens_per_step / (
-            opts.world_size * workload.gpu_tflops * 1e12 * workload.mfu)
+            (workload.compute_ranks or opts.world_size) * workload.gpu_tflops * 1e12 * workload.mfu)
     step_s, step_source = workload.step_time_s, "given"
     if step_s is None and t_comp is not None:
         step_s, step_source = t_comp + (t_io_mean or 0.0), "compute model + optimizer I/O"
