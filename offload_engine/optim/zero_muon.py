@@ -29,6 +29,7 @@ from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, sp
 from .muon_defaults import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 from .muon_math import NewtonSchulz
 from .owners import assign_owners
+from .param_names import module_aware, name_params
 from .param_rules import default_use_muon
 from .params import ParamInfo
 from .pipeline import MuonPipeline, StepContext, StepRunner
@@ -60,6 +61,11 @@ class ZeroMuon(torch.optim.Optimizer):
         master_weights: keep fp32 master copies of non-fp32 parameters in the store and run
             the math (and keep the state) in fp32; the parameter gets the rounded result.
         use_muon_rule: ``f(name, param) -> bool`` for groups without ``use_muon``.
+        model: the model the parameters belong to, for parameters or groups passed without
+            names (``model.parameters()``, the Hugging Face Trainer's groups): each gets its
+            name from the model, and embedding tables and output heads (by module:
+            ``nn.Embedding``, ``get_input/output_embeddings()``) stay on AdamW whatever their
+            names. Without it, unnamed 2-D parameters go to Muon with a warning.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1,
@@ -68,7 +74,8 @@ class ZeroMuon(torch.optim.Optimizer):
                  eps: float = DEFAULT_EPS, ns_steps: int = DEFAULT_NS_STEPS,
                  adjust_lr_fn: str | None = None, *, adamw: dict | None = None,
                  store: StoreConfig | dict | TieredStore | None = None,
-                 master_weights: bool = False, use_muon_rule=default_use_muon):
+                 master_weights: bool = False, use_muon_rule=default_use_muon,
+                 model: torch.nn.Module | None = None):
         self._ready = False
         self._muon_defaults = dict(MUON_DEFAULTS, lr=lr, weight_decay=weight_decay,
                                    momentum=momentum, nesterov=nesterov,
@@ -78,7 +85,9 @@ class ZeroMuon(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"unknown AdamW option(s) {sorted(unknown)}")
         self._adamw_defaults = dict(ADAMW_DEFAULTS, **(adamw or {}))
-        super().__init__(split_groups(params, use_muon_rule), {})
+        rule, report_guesses = module_aware(use_muon_rule, model)
+        super().__init__(split_groups(name_params(params, model), rule), {})
+        report_guesses()
         self.defaults = dict(self._muon_defaults)
         self.master_weights = master_weights
         self._build(store)
