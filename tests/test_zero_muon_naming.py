@@ -85,3 +85,17 @@ def test_a_tensor_the_model_does_not_hold_is_refused():
     stray = nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(ValueError, match=r"shape \[3, 3\].*not a parameter of the model"):
         ZeroMuon([*model.parameters(), stray], model=model, store=STORE)
+
+
+def test_parameters_swapped_after_construction_are_refused():
+    """accelerate's FSDP2 preparation replaces an existing optimizer's parameters with the
+    sharded ones; ZeroMuon's state was laid out for the originals: the step says so instead
+    of updating tensors the model no longer uses."""
+    model = Tiny()
+    with ZeroMuon(model.named_parameters(), model=model, store=STORE) as opt:
+        replacement = nn.Parameter(model.body.weight.detach().clone())
+        group = next(g for g in opt.param_groups if g["use_muon"])
+        group["params"][0] = replacement
+        replacement.grad = torch.ones_like(replacement)
+        with pytest.raises(RuntimeError, match="other parameters than those it was built with"):
+            opt.step()

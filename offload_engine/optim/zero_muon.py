@@ -250,6 +250,19 @@ class ZeroMuon(torch.optim.Optimizer):
                              f"on nvme about {use.work} more ({total} bytes of state in all)")
         return use.spare
 
+    def _check_params_kept(self) -> None:
+        """The parameters in param_groups are the ones the state was laid out for. A
+        wrapper that swaps them afterwards (accelerate's FSDP2 preparation puts the sharded
+        DTensors into an existing optimizer's groups) would otherwise leave the step
+        updating tensors the model no longer uses."""
+        current = {id(p) for g in self.param_groups for p in g["params"]}
+        if current != {id(i.param) for i in self.infos}:
+            raise RuntimeError(
+                "ZeroMuon: param_groups hold other parameters than those it was built with "
+                "(a wrapper replaced them after construction, as accelerate does when it "
+                "shards a model with FSDP2 for an optimizer that already exists); build "
+                "ZeroMuon after the model is wrapped (docs/optimizer.md, Hugging Face Trainer)")
+
     def array_name(self, name: str) -> str:
         return self.prefix + name
 
@@ -262,6 +275,7 @@ class ZeroMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
+        self._check_params_kept()
         self.exchange.reset_counters()
         ns_before = self.ns.calls
         # the store owns the order: this step walks the way it says (alternating with
