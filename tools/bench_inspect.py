@@ -143,15 +143,12 @@ def build_stats_store(path: str, state_bytes: int, world: int) -> dict:
 # -- children: one fresh process per measurement ------------------------------------------------
 
 def child_list(path: str) -> dict:
-    from offload_engine.offline.select import select
-    from offload_engine.cli.inspect import _tensor_rows, open_input, summarise
+    from offload_engine.cli.inspect import listing, open_input
     from offload_engine.io.page_cache import evict
     evict([path])
     r0, t0 = rchar(), time.perf_counter()
     with open_input(path) as source:
-        selected = select(source.tensors())
-        summary = summarise(source, selected)
-        rows = _tensor_rows(selected)
+        _, summary, rows = listing(source)
     t1, r1 = time.perf_counter(), rchar()
     # the share of json parsing, on the same (now cached) tensor table, as the reader does it
     import gc

@@ -224,6 +224,16 @@ def print_health(h: dict, out) -> None:
         print("  NaN/Inf: none", file=out)
 
 
+def listing(source, names=None, states=None) -> tuple[list, dict, list[dict]]:
+    """What plain ``inspect`` lists, from metadata: the selected ``(tensor, states)``, the
+    summary (tied names under ``aliases``) and one row per tensor and tied name."""
+    selected = select(source.tensors(), names, states)
+    summary = summarise(source, selected)
+    aliases = tied_aliases(source, names)
+    summary["aliases"] = aliases
+    return selected, summary, _tensor_rows(source, selected, aliases)
+
+
 def open_input(path: str, generation: str | None = None, **options):
     """``open_source``, then ``gc.freeze()``: this process is short-lived, and a large
     manifest's millions of objects would otherwise be walked by every later full garbage
@@ -237,11 +247,7 @@ def run(args: argparse.Namespace) -> int:
     window = parse_bytes(args.window_size)
     out = sys.stdout
     with open_input(args.path, args.generation, window_bytes=window) as source:
-        selected = select(source.tensors(), args.name, args.state)
-        summary = summarise(source, selected)
-        aliases = tied_aliases(source, args.name)
-        summary["aliases"] = aliases
-        rows = _tensor_rows(source, selected, aliases)
+        selected, summary, rows = listing(source, args.name, args.state)
         want_stats = args.stats or args.plot
         result = {"summary": summary, "tensors": rows}
         if want_stats:
