@@ -30,6 +30,7 @@ from ...io import AsyncFileIO, BufferPool
 from ...io.align import as_byte_view
 from ...layout import FlatArray, MetadataError, NodeNotFoundError
 from ...layout.manifest import read_shard_table, shard_table_path
+from ...layout.member_paths import inside
 from ...units import MiB
 from ..errors import CheckpointError
 from ..source import KIND_LABELS, Progress, SourceInfo, TensorMeta, TensorSource, Visit
@@ -117,9 +118,13 @@ class OursSource(TensorSource):
         return CheckpointError(f"{os.path.join(self.group, name)}: cannot open array {name!r} "
                                f"listed in the manifest: it is missing{hint}")
 
+    def _array_path(self, name: str) -> str:
+        """Where array ``name`` of the manifest is, checked to lie inside the group."""
+        return inside(self.group, name, CheckpointError, "array name")
+
     def _stat_arrays(self) -> None:
         for name in self.manifest.arrays:
-            if not os.path.isfile(os.path.join(self.group, name, "zarr.json")):
+            if not os.path.isfile(os.path.join(self._array_path(name), "zarr.json")):
                 raise self._missing_array(name)
 
     def _declared_chunks(self) -> int:
@@ -153,7 +158,7 @@ class OursSource(TensorSource):
 
     def _open_array(self, name: str) -> ChunkedArray:
         entry = self.manifest.arrays[name]
-        path = os.path.join(self.group, name)
+        path = self._array_path(name)  # again: a symlink may have changed since listing
         try:
             flat = FlatArray.open(path, io=self._io, mode="r")
         except NodeNotFoundError:  # deleted since listing checked it

@@ -21,6 +21,7 @@ from ...dtypes import DType
 from ...layout import MetadataError, NodeNotFoundError, read_group
 from ...layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, STORE_FORMAT, fsdp_rows,
                                 held_ranks)
+from ...layout.member_paths import name_problem
 from ..errors import CheckpointError
 from ..source import StateMeta, TensorMeta
 
@@ -166,6 +167,10 @@ def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
     for name, entry in doc.items():
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: arrays[{name!r}] must be an object")
+        problem = name_problem(name)
+        if problem is not None:  # the same check readers repeat, with symlinks, at open
+            raise CheckpointError(f"{where}: array name {name!r} {problem}; refused (names in "
+                                  f"a manifest stay inside its directory)")
         m = _RANK_PREFIX.match(name)
         chunk = entry.get("bucket_elems")
         out[name] = ArrayEntry(name, _dtype(entry.get("dtype"), f"array {name!r}", where),
