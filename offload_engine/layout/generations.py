@@ -15,6 +15,8 @@ reading ``formats/ours/generations.py``.
 
 from __future__ import annotations
 
+import re
+
 PARTIAL = ".partial"
 LATEST = "latest"
 
@@ -22,3 +24,11 @@ LATEST = "latest"
 def generation_name(step: int) -> str:
     """The directory name of the generation saved at ``step``."""
     return f"step-{step:08d}"
+
+
+_GENERATION = re.compile(r"step-\d{8,}")
+
+
+def is_generation_name(name: str) -> bool:
+    """Whether ``name`` is a committed generation's directory name (``step-<8+ digits>``)."""
+    return _GENERATION.fullmatch(name) is not None
