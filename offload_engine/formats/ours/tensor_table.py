@@ -19,15 +19,20 @@ from typing import NamedTuple
 from ... import dtypes
 from ...dtypes import DType
 from ...layout import MetadataError, NodeNotFoundError, read_group
-from ...layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, STORE_FORMAT, fsdp_rows,
-                                held_ranks)
+from ...layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_VERSION,
+                                STORE_FORMAT, array_metadata_key, fsdp_rows, held_ranks,
+                                shard_table_key)
 from ...layout.member_paths import name_problem
+from ...layout.metadata_crc import METADATA_KEY, SEAL_KEY
 from ..errors import CheckpointError
 from ..source import StateMeta, TensorMeta
 
 FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
-KNOWN_VERSIONS = (MANIFEST_VERSION,)
+# version 2 checkpoints (written before metadata checksums) stay readable
+KNOWN_VERSIONS = {"store": (MANIFEST_VERSION,), "checkpoint": (MANIFEST_VERSION, CHECKPOINT_VERSION)}
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
+_RANK_TABLE = re.compile(r"rank(\d+)/zarr\.json")
+_SEAL = re.compile(r"[0-9a-f]{8}")
 
 
 class Placement(NamedTuple):
@@ -63,6 +68,9 @@ class Manifest:
     ranks: list[int]                        # ranks whose shard tables the group holds
     rows: dict[str, list[int]]              # tensor -> rows each rank holds
     checksums: dict[str, list] | None = None
+    # {path inside the group: crc32c} of every metadata file but the manifest (version 3
+    # checkpoints); None where the metadata is not checksummed (stores, version 2)
+    metadata_crcs: dict[str, int] | None = None
     committed: bool | None = None
     has_tensor_table: bool = True
     placements: dict | None = None          # known at once only for a store without tensors
@@ -94,9 +102,11 @@ def gc_paused():
 
 
 def read_manifest_attrs(group: str) -> dict:
-    """The group's attributes; a missing or corrupt zarr.json is a CheckpointError naming it."""
+    """The group's attributes, its seal checked where it has one (a checkpoint since
+    version 3): every reader of a manifest reads it here. A missing or corrupt zarr.json is
+    a CheckpointError naming it, a seal that does not match its bytes a ChecksumError."""
     try:
-        return read_group(group)
+        return read_group(group, verify_seal=True)
     except (NodeNotFoundError, MetadataError) as e:
         raise CheckpointError(str(e)) from None
 
@@ -121,9 +131,9 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     if fmt != FORMATS[kind]:
         raise CheckpointError(f"{where}: manifest format is {fmt!r}, expected {FORMATS[kind]!r}")
     version = attrs.get("format_version")
-    if version not in KNOWN_VERSIONS:
+    if type(version) is not int or version not in KNOWN_VERSIONS[kind]:
         raise CheckpointError(f"{where}: format_version {version!r} is not supported (this "
-                           f"offload-engine reads {', '.join(map(str, KNOWN_VERSIONS))})")
+                              f"offload-engine reads {', '.join(map(str, KNOWN_VERSIONS[kind]))})")
     step = attrs.get("step")
     if step is not None:
         step = _int(step, "'step'", where)
@@ -141,14 +151,18 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
             if key not in attrs:
                 raise CheckpointError(f"{where}: the checkpoint manifest has no {key!r}")
         checksums = _parse_checksums(attrs.get("checksums"), arrays, where)
+    metadata_crcs = None
+    if kind == "checkpoint" and version >= CHECKPOINT_VERSION:
+        metadata_crcs = _parse_metadata_crcs(attrs, world, arrays, where)
     extra = {k: v for k, v in attrs.items()
              if k not in ("format", "format_version", "step", "world_size", "arrays",
-                          "tensors", "checksums", "committed", "stripes")}
+                          "tensors", "checksums", "committed", "stripes", METADATA_KEY,
+                          SEAL_KEY)}
     tensors_doc = attrs.get("tensors")
     if tensors_doc is None:
         tensors, placements = _bare_arrays(arrays)
         return Manifest(fmt, version, step, world, arrays, tensors, [], {}, checksums,
-                        committed, False, placements, extra)
+                        metadata_crcs, committed, False, placements, extra)
     if world is None:
         raise CheckpointError(f"{where}: a manifest with a tensor table needs 'world_size'")
     ranks = held_ranks(attrs)
@@ -157,7 +171,7 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
                            f"{attrs.get('rank')!r}")
     tensors, rows = _parse_tensors(tensors_doc, world, ranks, where)
     return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
-                    committed, True, None, extra)
+                    metadata_crcs, committed, True, None, extra)
 
 
 def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
@@ -192,6 +206,37 @@ def _parse_checksums(doc, arrays: dict[str, ArrayEntry], where: str) -> dict[str
                 c is None or (type(c) is int and 0 <= c < 2**32) for c in crcs):
             raise CheckpointError(f"{where}: checksums of array {name!r} must be a list of "
                                f"unsigned 32-bit integers or nulls")
+    return doc
+
+
+def _parse_metadata_crcs(attrs: dict, world: int, arrays: dict[str, ArrayEntry],
+                         where: str) -> dict[str, int]:
+    """A version 3 checkpoint's ``metadata_checksums``: one crc32c for each rank's shard
+    table and each array's zarr.json, none for anything else; and the seal (checked
+    against the file's bytes by ``read_manifest_attrs``), which it must have."""
+    if type(attrs.get(SEAL_KEY)) is not str or not _SEAL.fullmatch(attrs[SEAL_KEY]):
+        raise CheckpointError(f"{where}: a version 3 checkpoint manifest ends with "
+                              f"'{SEAL_KEY}' (8 hex digits); this one has "
+                              f"{attrs.get(SEAL_KEY)!r}: damaged")
+    doc = attrs.get(METADATA_KEY)
+    if type(doc) is not dict:
+        raise CheckpointError(f"{where}: a version 3 checkpoint manifest needs "
+                              f"'{METADATA_KEY}' {{file: crc32c}}")
+    for name, crc in doc.items():
+        m = _RANK_TABLE.fullmatch(name)
+        known = ((m is not None and int(m.group(1)) < world and name == shard_table_key(int(m.group(1))))
+                 or (name.endswith("/zarr.json") and name[:-len("/zarr.json")] in arrays))
+        if not known:
+            raise CheckpointError(f"{where}: {METADATA_KEY} names {name!r}, neither a rank's "
+                                  f"shard table nor the zarr.json of an array in 'arrays'")
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            raise CheckpointError(f"{where}: {METADATA_KEY}[{name!r}] must be an unsigned "
+                                  f"32-bit integer, got {crc!r}")
+    if len(doc) != world + len(arrays):  # each name is one of these files: so all are there
+        missing = next((k for k in [array_metadata_key(a) for a in arrays] if k not in doc),
+                       None) or next(shard_table_key(r) for r in range(world)
+                                     if shard_table_key(r) not in doc)
+        raise CheckpointError(f"{where}: {METADATA_KEY} has no checksum for {missing!r}")
     return doc
 
 
