@@ -20,11 +20,11 @@ from ... import dtypes
 from ...dtypes import DType
 from ...layout import MetadataError, NodeNotFoundError, read_group
 from ...layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_VERSION,
-                                STORE_FORMAT, array_metadata_key, fsdp_rows, held_ranks,
-                                shard_table_key)
+                                STORE_FORMAT, array_metadata_key, shard_table_key)
 from ...layout.member_paths import name_problem
 from ...layout.metadata_crc import METADATA_KEY, SEAL_KEY
 from ..errors import CheckpointError
+from .bounds import RowSplit, check_capacity, held_ranks_checked
 from ..source import StateMeta, TensorMeta
 
 FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
@@ -66,7 +66,7 @@ class Manifest:
     arrays: dict[str, ArrayEntry]
     tensors: list[TensorMeta]
     ranks: list[int]                        # ranks whose shard tables the group holds
-    rows: dict[str, list[int]]              # tensor -> rows each rank holds
+    rows: dict[str, list[int] | RowSplit]   # tensor -> rows each rank holds
     checksums: dict[str, list] | None = None
     # {path inside the group: crc32c} of every metadata file but the manifest (version 3
     # checkpoints); None where the metadata is not checksummed (stores, version 2)
@@ -79,7 +79,8 @@ class Manifest:
     @property
     def all_ranks(self) -> bool:
         """Whether the group holds every rank (a checkpoint), not one (a live store)."""
-        return self.world_size is not None and self.ranks == list(range(self.world_size))
+        return (self.world_size is not None and len(self.ranks) == self.world_size
+                and self.ranks == list(range(self.world_size)))
 
 
 @contextlib.contextmanager
@@ -165,11 +166,9 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
                         metadata_crcs, committed, False, placements, extra)
     if world is None:
         raise CheckpointError(f"{where}: a manifest with a tensor table needs 'world_size'")
-    ranks = held_ranks(attrs)
-    if not all(type(r) is int and 0 <= r < world for r in ranks):
-        raise CheckpointError(f"{where}: 'rank' must be an integer in [0, {world}), got "
-                           f"{attrs.get('rank')!r}")
+    ranks = held_ranks_checked(attrs, world, arrays, where)  # before any list of ranks
     tensors, rows = _parse_tensors(tensors_doc, world, ranks, where)
+    check_capacity(tensors, arrays, where)  # before anyone sizes a buffer by a shape
     return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
                     metadata_crcs, committed, True, None, extra)
 
@@ -264,7 +263,8 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
     if not isinstance(doc, dict):
         raise CheckpointError(f"{where}: 'tensors' must be an object {{name: entry}}")
     known_dtypes: dict[str, DType] = {}  # zarr name -> dtype, checked once
-    all_ranks = ranks == list(range(world))
+    split_of: dict[int, RowSplit] = {}  # rows -> their FSDP2 split: tensors share a few
+    all_ranks = len(ranks) == world and ranks == list(range(world))
     tensors, rows_of = [], {}
     for name, entry in doc.items():
         if type(entry) is not dict:
@@ -279,7 +279,7 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         row_numel = math.prod(shape[1:])
         counts = entry.get("rows_per_rank")
         if counts is None:
-            counts = fsdp_rows(rows, world)
+            counts = split_of.get(rows) or split_of.setdefault(rows, RowSplit(rows, world))
         elif (type(counts) is not list or len(counts) != world or not all(_nat(c) for c in counts)
               or (all_ranks and sum(counts) != rows)):
             raise CheckpointError(f"{where}: tensor {name!r}: 'rows_per_rank' must list the rows "
