@@ -6,6 +6,8 @@
   step-00000030/               a committed generation (a zarr v3 group; tensor table in zarr.json)
     rank0/                     rank 0's arrays; its shard table in rank0/zarr.json
   step-00000040.partial/       a generation being written, or torn by a crash: never loaded
+  step-00000040.superseded-1/  a committed generation latest did not name, set aside when
+                               its step was saved again: kept, never loaded
 ```
 
 A generation is written under ``<name>.partial`` and renamed to ``<name>`` when complete
@@ -19,6 +21,9 @@ import re
 
 PARTIAL = ".partial"
 LATEST = "latest"
+# <name>.superseded-<k>: a generation that latest did not name when its step was saved
+# again (an orphan of a crash between commit and latest, or of a rollback); never loaded
+SUPERSEDED = ".superseded-"
 
 
 def generation_name(step: int) -> str:
