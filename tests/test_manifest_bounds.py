@@ -27,6 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _limit():
     resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
+    # and no file over 1 GiB: a regression preallocating terabytes fails (EFBIG) instead
+    # of filling the disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))
 
 
 def cli(*args) -> subprocess.CompletedProcess:
@@ -111,3 +114,28 @@ def test_forged_rank_of_a_live_store(tmp_path):
     store, _ = make_live_store(tmp_path / "store", world_size=2)
     path = edit_manifest(store, lambda a: a.update(rank=2), 2)
     one_line_error(cli("inspect", store), path, "'rank' must be an integer in [0, 2)")
+
+
+def test_forged_shape_with_arrays_and_tables_to_match(tmp_path):
+    """The tensor table, the arrays' numel and the shard tables all forged to agree on
+    2 * 10**11 rows: only each array's own zarr.json disagrees. export and consolidate
+    open every array a tensor needs (check_readable) before they size a buffer or a file
+    by its shape, and refuse, naming the array."""
+    root, gen = checkpoint(tmp_path, 2)
+    rows, name = 2 * 10**11, "emb.weight"
+
+    def forge_top(a):
+        a["tensors"][name]["shape"] = [rows, 16]
+        for entry in a["arrays"].values():
+            entry["numel"] += 2 * 10**12
+    edit_manifest(gen, forge_top, 2)
+    for r in range(2):
+        def forge_table(a, r=r):
+            shard = a["shards"][name]
+            shard.update(row_start=r * rows // 2, rows=rows // 2, numel=rows // 2 * 16)
+        edit_manifest(os.path.join(gen, f"rank{r}"), forge_table, 2)
+    for args in (["export", root, name, "--out", tmp_path / "e.pt"],
+                 ["export", root, name, "--out", tmp_path / "e.npy"],
+                 ["consolidate", root, tmp_path / "out"]):
+        one_line_error(cli(*args), os.path.join(gen, "rank0"), "the manifest says")
+    assert not os.path.exists(tmp_path / "e.pt") and not os.path.exists(tmp_path / "e.npy")

@@ -265,6 +265,16 @@ class OursSource(TensorSource):
     def tensors(self) -> list[TensorMeta]:
         return self.manifest.tensors
 
+    def check_readable(self, keys) -> None:
+        """The metadata checksums, the shard tables that hold ``keys`` and the zarr.json of
+        every array they point into (dtype, numel and chunk count against the manifest):
+        a tensor's shape is then backed by arrays whose own metadata declares its size."""
+        self._before_data()
+        for name, state in keys:
+            t = self.tensor(name)
+            for p in self._placements_for(t, state, 0, t.numel):
+                self._array(p.array)
+
     def describe(self) -> str:
         return (f"{KIND_LABELS[self.kind]} {self.group} (step {self.manifest.step}, world size "
                 f"{self.manifest.world_size})")
