@@ -65,22 +65,24 @@ class RowSplit:
         return (self[r] for r in range(self.world))
 
 
-def check_capacity(tensors: list, arrays: dict, where: str) -> None:
-    """The elements the tensor table puts on each rank (``tensors``: TensorMeta, whose
-    states record bytes by rank) fit in that rank's arrays of each state's dtype (sum of
-    ``numel`` in ``arrays``; an array of no rank counts for every rank)."""
+def check_capacity(per_split: dict, ranks: list[int], tensors: list, arrays: dict,
+                   where: str) -> None:
+    """The elements the tensor table puts on each of ``ranks`` fit in that rank's arrays
+    of each state's dtype (sum of ``numel`` in ``arrays``; an array of no rank counts for
+    every rank). ``per_split``: {(rows per rank, dtype): elements per row}, summed over
+    the tensor states sharing both (a few keys for 50,000 tensors: FSDP2 splits are
+    shared, so this costs little next to parsing). ``tensors`` (TensorMeta) only name the
+    largest contributor in the error."""
     have, anyone = {}, {}
     for a in arrays.values():
-        into = anyone if a.rank is None else have
-        key = a.dtype if a.rank is None else (a.rank, a.dtype)
-        into[key] = into.get(key, 0) + a.numel
+        if a.rank is None:
+            anyone[a.dtype] = anyone.get(a.dtype, 0) + a.numel
+        else:
+            have[(a.rank, a.dtype)] = have.get((a.rank, a.dtype), 0) + a.numel
     need = {}
-    for t in tensors:
-        for sm in t.states.values():
-            size = sm.dtype.itemsize
-            for r, b in sm.bytes_by_rank.items():
-                key = (r, sm.dtype)
-                need[key] = need.get(key, 0) + b // size
+    for (counts, dtype), row_numel in per_split.items():
+        for r in ranks:
+            need[(r, dtype)] = need.get((r, dtype), 0) + counts[r] * row_numel
     for (rank, dtype), elements in need.items():
         room = have.get((rank, dtype), 0) + anyone.get(dtype, 0)
         if elements > room:

@@ -167,8 +167,8 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     if world is None:
         raise CheckpointError(f"{where}: a manifest with a tensor table needs 'world_size'")
     ranks = held_ranks_checked(attrs, world, arrays, where)  # before any list of ranks
-    tensors, rows = _parse_tensors(tensors_doc, world, ranks, where)
-    check_capacity(tensors, arrays, where)  # before anyone sizes a buffer by a shape
+    tensors, rows, per_split = _parse_tensors(tensors_doc, world, ranks, where)
+    check_capacity(per_split, ranks, tensors, arrays, where)  # before a shape sizes anything
     return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
                     metadata_crcs, committed, True, None, extra)
 
@@ -264,6 +264,7 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         raise CheckpointError(f"{where}: 'tensors' must be an object {{name: entry}}")
     known_dtypes: dict[str, DType] = {}  # zarr name -> dtype, checked once
     split_of: dict[int, RowSplit] = {}  # rows -> their FSDP2 split: tensors share a few
+    per_split: dict = {}  # (rows per rank, dtype) -> elements per row of the states using both
     all_ranks = len(ranks) == world and ranks == list(range(world))
     tensors, rows_of = [], {}
     for name, entry in doc.items():
@@ -279,13 +280,17 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         row_numel = math.prod(shape[1:])
         counts = entry.get("rows_per_rank")
         if counts is None:
-            counts = split_of.get(rows) or split_of.setdefault(rows, RowSplit(rows, world))
+            counts = split_of.get(rows)
+            if counts is None:
+                counts = split_of[rows] = RowSplit(rows, world)
         elif (type(counts) is not list or len(counts) != world or not all(_nat(c) for c in counts)
               or (all_ranks and sum(counts) != rows)):
             raise CheckpointError(f"{where}: tensor {name!r}: 'rows_per_rank' must list the rows "
                                f"of each of the {world} ranks" + (f", adding up to {rows}"
                                                                   if all_ranks else "")
                                + f", got {counts!r}")
+        else:
+            counts = tuple(counts)  # a key of per_split below
         states = entry.get("states")
         if type(states) is not dict or not states:
             raise CheckpointError(f"{where}: tensor {name!r} has no 'states' object "
@@ -298,6 +303,8 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
                 known = known_dtypes[sdtype] = _dtype(sdtype, f"tensor {name!r}, state {state!r},", where)
             per_row = row_numel * known.itemsize
             states_meta[state] = StateMeta(known, numel, {r: counts[r] * per_row for r in ranks})
+            key = (counts, known)  # elements per row, summed by split and dtype (bounds.py)
+            per_split[key] = per_split.get(key, 0) + row_numel
         optimizer = entry.get("optimizer")
         if optimizer is not None and type(optimizer) is not str:
             raise CheckpointError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
@@ -308,5 +315,5 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
             meta.extra["adam_step"] = step
         tensors.append(meta)
         rows_of[name] = counts
-    return tensors, rows_of
+    return tensors, rows_of, per_split
 
