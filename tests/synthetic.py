@@ -14,6 +14,7 @@ checkpoint folder gets a ``latest`` file naming it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -26,8 +27,11 @@ from offload_engine import dtypes
 from offload_engine.io import AsyncFileIO
 from offload_engine.layout import FlatArray, create_group
 from offload_engine.formats.ours.tensor_table import FORMATS
-from offload_engine.layout.manifest import (MANIFEST_VERSION, fsdp_rows, shard_entry,
-                                            tensor_entry, tensor_rows, write_shard_table)
+from offload_engine.layout.manifest import (CHECKPOINT_VERSION, MANIFEST_VERSION,
+                                            array_metadata_key, fsdp_rows, shard_entry,
+                                            shard_table_key, tensor_entry, tensor_rows,
+                                            write_shard_table)
+from offload_engine.layout.metadata_crc import METADATA_KEY, files_crc32c
 from offload_engine.units import MiB
 
 
@@ -118,14 +122,17 @@ def plan_sharded(tensors: dict, world_size: int) -> ShardedPlan:
 
 def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "checkpoint",
                   step: int = 0, chunk_bytes: int = 64 * MiB, data: bool = True,
-                  io: AsyncFileIO | None = None) -> dict:
+                  io: AsyncFileIO | None = None,
+                  format_version: int = CHECKPOINT_VERSION) -> dict:
     """Write a store directory or one checkpoint generation at ``group``.
 
     ``tensors``: ``{name: {"shape": [...], "dtype": torch dtype of the parameter,
     "optimizer": "muon" | "adamw" | None, "states": {state: tensor or torch dtype}}}``.
     A state given as a tensor (the full, unsharded value) is written; given as a dtype,
     only the manifest and array metadata are (``data=False`` does this for all: chunk
-    files absent, reading as zeros). Returns the group's attributes as written.
+    files absent, reading as zeros). A checkpoint is written in ``format_version``: 3
+    records the crc32c of every metadata file and seals the manifest, 2 (what earlier
+    releases wrote) does not. Returns the group's attributes as written.
     """
     own_io = io is None
     io = io or AsyncFileIO(threads=4, queue_depth=4)
@@ -143,19 +150,46 @@ def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "ch
                 flats[array].write(offset, values.to(flats[array].dtype).contiguous())
         for r, table in plan.shards.items():
             write_shard_table(group, r, table)
-        attrs = {"format": FORMATS[kind], "format_version": MANIFEST_VERSION,
+        attrs = {"format": FORMATS[kind],
+                 "format_version": format_version if kind == "checkpoint" else MANIFEST_VERSION,
                  "arrays": plan.arrays, "world_size": world_size, "step": step,
                  "tensors": plan.tensors}
+        sealed = kind == "checkpoint" and format_version >= CHECKPOINT_VERSION
         if kind == "checkpoint":
             for flat in flats.values():
                 flat.sync().result()
             attrs["checksums"] = {a: chunk_checksums(f) for a, f in flats.items()}
             attrs["committed"] = True
-        create_group(group, attrs, exist_ok=True)
+        if sealed:
+            attrs[METADATA_KEY] = files_crc32c(group, metadata_files(world_size, plan.arrays))
+        create_group(group, attrs, exist_ok=True, sealed=sealed)
         return attrs
     finally:
         if own_io:
             io.close()
+
+
+def metadata_files(world_size: int, arrays) -> list[str]:
+    """Every metadata file of a generation but its manifest, as the manifest names them."""
+    return ([shard_table_key(r) for r in range(world_size)]
+            + [array_metadata_key(a) for a in arrays])
+
+
+def reseal(group: str) -> dict:
+    """After a test edited a version 3 generation's metadata on purpose: record the
+    checksums of its files as they now are and seal the manifest again, as a forger
+    would (so what is tested is the reader's other checks). Returns the attributes."""
+    with open(os.path.join(group, "zarr.json")) as f:
+        attrs = json.load(f)["attributes"]
+    world = attrs.get("world_size")
+    ranks = [r for r in range(world) if os.path.exists(os.path.join(group, shard_table_key(r)))] \
+        if type(world) is int and world < 10_000 else [0]
+    names = [shard_table_key(r) for r in ranks] + [
+        array_metadata_key(a) for a in attrs.get("arrays", {})
+        if os.path.isfile(os.path.join(group, array_metadata_key(a)))]
+    attrs[METADATA_KEY] = files_crc32c(group, names)
+    create_group(group, attrs, exist_ok=True, sealed=True)
+    return attrs
 
 
 def write_checkpoint(root: str, tensors: dict, world_size: int, step: int,

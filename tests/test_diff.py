@@ -101,7 +101,7 @@ def test_deepspeed_against_ours(fixture, tmp_path, capsys):
     # one changed value is found, and a tolerance wide enough accepts it
     from offload_engine.layout import FlatArray
     from offload_engine.io import AsyncFileIO
-    from synthetic import chunk_checksums
+    from synthetic import chunk_checksums, reseal
     from offload_engine.layout import read_group, write_group_attributes
     gen = os.path.join(tmp_path / "ours", "step-00000002")
     with AsyncFileIO() as io:
@@ -112,6 +112,7 @@ def test_deepspeed_against_ours(fixture, tmp_path, capsys):
         attrs = read_group(gen)
         attrs["checksums"]["rank1/exp_avg"] = chunk_checksums(arr)
         write_group_attributes(gen, attrs)
+    reseal(gen)
     rc, out, err = run_cli(["diff", ds, tmp_path / "ours", "--state", "exp_avg"], capsys)
     assert rc == 1
     assert "different: 1 tensor state(s) outside tolerance" in out

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from synthetic import reseal
 from test_inspect_fixtures import (FIXTURES, assert_one_line_error, copy_fixture,
                                    make_checkpoint, make_live_store, run_cli)
 
@@ -84,6 +85,7 @@ def test_broken_json(ckpt, capsys, target):
     with open(path, "w") as f:
         f.write(text[: len(text) // 2])
     if target != "group":
+        reseal(gen_dir(ckpt))  # its checksum would stop it first: the parser is tested here
         rc, out, err = run_cli(["inspect", ckpt], capsys)
         assert rc == 0, err
     rc, out, err = run_cli(["inspect", ckpt] + (["--stats"] if target != "group" else []), capsys)
@@ -129,6 +131,7 @@ def test_manifest_missing_a_shard(ckpt, capsys):
     _, table = rank_table(ckpt, 2)
     del table["layers.0.attn.wq.weight"]
     write_shard_table(gen_dir(ckpt), 2, table)
+    reseal(gen_dir(ckpt))  # checksums recorded for the damage, as a forger would
     rc, out, err = run_cli(["inspect", ckpt], capsys)
     assert rc == 0, err  # listing does not read the shard tables
     rc, out, err = run_cli(["inspect", ckpt, "--stats"], capsys)
@@ -141,6 +144,7 @@ def test_uncommitted_generation(ckpt, capsys):
     attrs = read_group(g)
     attrs["committed"] = False
     write_group_attributes(g, attrs)
+    reseal(g)
     rc, out, err = run_cli(["inspect", ckpt], capsys)
     assert_one_line_error(rc, err, "not committed")
 
@@ -259,6 +263,7 @@ def test_malformed_shard_entries(ckpt, capsys, damage, needle):
     group, table = rank_table(ckpt, 1)
     damage(table["emb.weight"])
     write_shard_table(gen_dir(ckpt), 1, table)
+    reseal(gen_dir(ckpt))  # checksums recorded for the damage, as a forger would
     rc, out, err = run_cli(["inspect", ckpt, "--stats"], capsys)
     assert_one_line_error(rc, err, os.path.join(group, "zarr.json"), "emb.weight", needle)
 
@@ -276,6 +281,7 @@ def test_malformed_tensor_table(ckpt, capsys, damage, needle):
     attrs = read_group(g)
     damage(attrs["tensors"]["emb.weight"])
     write_group_attributes(g, attrs)
+    reseal(g)
     rc, out, err = run_cli(["inspect", ckpt], capsys)
     assert_one_line_error(rc, err, os.path.join(g, "zarr.json"), "emb.weight", needle)
 

@@ -92,8 +92,9 @@ def wait_for_ranks(staging: str, world: int, timeout_s: float) -> list[dict]:
 
 
 def commit(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int) -> None:
-    """Rank 0: write the generation's manifest ``attrs``, then make it the committed one."""
-    create_group(staging, attrs)  # its atomic write fsyncs ``staging`` after the manifest lands
+    """Rank 0: write the generation's manifest ``attrs`` (sealed: it checksums itself, and
+    records the checksums of every other metadata file), then make it the committed one."""
+    create_group(staging, attrs, sealed=True)  # fsyncs ``staging`` after it lands
     for r in range(world):
         os.remove(_report(staging, r, DONE))
         fsync_dir(os.path.join(staging, rank_group(r)))

@@ -10,25 +10,68 @@ intact.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
-from ..layout.generations import LATEST
+from ..formats.errors import CheckpointError
+from ..formats.latest import read_latest
+from ..layout.generations import LATEST, SUPERSEDED
 from ..layout.metadata import fsync_dir
+
+log = logging.getLogger(__name__)
 
 
 def prepare_staging(ckpt_dir: str, final: str, staging: str, step: int) -> BaseException | None:
-    """Make ``<gen>.partial`` (dropping one torn by an earlier crash); the error, if it
-    cannot (rank 0 broadcasts it so that no rank waits for a save that never starts)."""
+    """Make ``<gen>.partial`` (dropping one torn by an earlier crash, and setting aside a
+    generation of the same name that ``latest`` does not name: ``set_aside_orphan``); the
+    error, if it cannot (rank 0 broadcasts it so that no rank waits for a save that never
+    starts)."""
     try:
         if os.path.exists(final):
-            return FileExistsError(f"{final}: a checkpoint of step {step} is already committed")
+            problem = set_aside_orphan(ckpt_dir, final, step)
+            if problem is not None:
+                return problem
         os.makedirs(ckpt_dir, exist_ok=True)
         if os.path.exists(staging):
             shutil.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
         os.makedirs(staging)
     except OSError as e:
         return e
+    return None
+
+
+def set_aside_orphan(ckpt_dir: str, final: str, step: int) -> BaseException | None:
+    """``final`` exists. When ``latest`` names it, saving that step again is an error
+    (returned). Otherwise it is an orphan: committed by a run that crashed between the
+    rename and the update of ``latest``, or left by a timeline that ``latest`` was rolled
+    back from. Resuming from ``latest`` saves this step again, so the orphan is renamed
+    to ``<name>.superseded-<k>`` (kept, never loaded: no reader follows that name unless
+    asked for it) with a warning naming it, and None is returned. An unreadable
+    ``latest`` is an error: what it should name is unknown, so nothing is moved."""
+    name = os.path.basename(final)
+    try:
+        current = read_latest(ckpt_dir, CheckpointError)
+    except CheckpointError as e:
+        if not os.path.lexists(os.path.join(ckpt_dir, LATEST)):
+            current = None  # the first save crashed before writing latest
+        else:
+            return FileExistsError(f"{final}: a checkpoint of step {step} is already "
+                                   f"committed, and latest cannot be read to tell whether "
+                                   f"it is the current one ({e})")
+    if current == name:
+        return FileExistsError(f"{final}: a checkpoint of step {step} is already committed "
+                               f"(and latest names it)")
+    k = 1
+    while os.path.lexists(f"{final}{SUPERSEDED}{k}"):
+        k += 1
+    aside = f"{final}{SUPERSEDED}{k}"
+    os.rename(final, aside)
+    fsync_dir(ckpt_dir)
+    log.warning("%s was committed but latest names %s (a crash between the commit and the "
+                "update of latest, or a rollback): kept as %s, which is never loaded; "
+                "saving step %d again", final, repr(current) if current else "nothing",
+                aside, step)
     return None
 
 

@@ -36,8 +36,10 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
     finish_previous(optimizer)  # a save in progress reads the parameters this overwrites
     rank, _, _ = _collective()
     opt = optimizer
+    # every rank checks the metadata files it reads; rank 0 checks all of them (one
+    # reader: a damaged byte anywhere stops the load, and the tables are read once)
     with OursSource.open_checkpoint(ckpt_dir, tag, window_bytes=WINDOW_BYTES, depth=2,
-                                    io_threads=4) as src:
+                                    io_threads=4, verify_all_metadata=rank == 0) as src:
         gen = src.group
         tensors = {t.name: t for t in src.tensors()}
         wanted = []  # (info, tensor meta, first element of this rank's rows)

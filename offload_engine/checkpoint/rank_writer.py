@@ -27,7 +27,8 @@ from ..io import AsyncFileIO
 from ..io.page_cache import sync_tree
 from ..layout import FlatArray
 from .. import dtypes
-from ..layout.manifest import rank_group
+from ..layout.manifest import rank_group, rank_metadata_files
+from ..layout.metadata_crc import files_crc32c
 from ..layout.checksums import SequentialChunkCrc, padded_crc32c
 from .staged_writer import StagedWriter, StagingBlocks
 
@@ -144,7 +145,8 @@ class RankWriter:
     # -- the end ------------------------------------------------------------------------------
     def finish(self) -> dict:
         """fsync everything this rank wrote; its summary for rank 0 (array dtypes and
-        sizes, chunk checksums)."""
+        sizes, chunk checksums, and the crc32c of its metadata files: its shard table and
+        its arrays' zarr.json, as they are on disk)."""
         for name, crc in self.param_crcs.items():
             self.checksums[name] = crc.finish()
         missing = [(n, i) for n, c in self.checksums.items() for i, v in enumerate(c) if v is None]
@@ -154,7 +156,9 @@ class RankWriter:
         sync_tree(os.path.join(self.staging, rank_group(self.rank)))
         return {"checksums": self.checksums,
                 "arrays": {n: {"dtype": dtypes.dtype(a.dtype).name, "numel": a.numel}
-                           for n, a in self.arrays.items()}}
+                           for n, a in self.arrays.items()},
+                "metadata_checksums": files_crc32c(
+                    self.staging, rank_metadata_files(self.rank, self.arrays))}
 
     def close(self) -> None:
         """Stop the I/O threads and free the staging blocks (after a failure too)."""

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from .. import dtypes
 from ..layout import create_group
 from ..layout.generations import PARTIAL, generation_name
-from ..layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, rank_group, shard_entry,
+from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, rank_group, shard_entry,
                                tensor_entry, tensor_rows, write_shard_table)
+from ..layout.metadata_crc import METADATA_KEY
 from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
                                   state_offsets)
 from .buffers import snapshot_buffers
@@ -164,6 +165,7 @@ def _commit_as_rank0(ckpt_dir: str, staging: str, final: str, attrs: dict, world
         summaries = wait_for_ranks(staging, world, timeout_s)
         attrs["arrays"] = {k: v for g in summaries for k, v in g["arrays"].items()}
         attrs["checksums"] = {k: v for g in summaries for k, v in g["checksums"].items()}
+        attrs[METADATA_KEY] = {k: v for g in summaries for k, v in g[METADATA_KEY].items()}
         steps = {k: v for g in reversed(summaries) for k, v in g["adam_steps"].items()}  # rank 0's win
         for pname, v in steps.items():
             attrs["tensors"][pname]["adam_step"] = v
@@ -237,7 +239,7 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                if k not in ("params", "param_names") and _jsonable(v)}
               for g in opt.param_groups]
-    return {"format": CHECKPOINT_FORMAT, "format_version": MANIFEST_VERSION, "step": step,
+    return {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "step": step,
             "world_size": world, "tensors": tensors, "param_groups": groups,
             "buffers_saved": True}
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 
-from ..layout.generations import PARTIAL
+from ..layout.generations import PARTIAL, is_generation_name
 from .deepspeed.files import is_optim_file
-from .errors import FormatError
+from .errors import CheckpointError, FormatError
 from .latest import LATEST, read_latest
 from .ours.tensor_table import FORMATS, gc_paused, read_manifest_attrs
 
@@ -34,11 +34,15 @@ def _is_ds_tag(d: str) -> bool:
 
 
 def _says_checkpoint(d: str) -> bool:
-    """Whether ``d`` looks like a generation of ours, from the first bytes of its zarr.json
-    (the manifest names its format first): a hint for an error message, so neither a large
-    manifest nor a broken one is parsed for it."""
+    """Whether ``d`` looks like a generation of ours: named like one and holding a
+    zarr.json, or naming our format in the first bytes of its zarr.json (the manifest names
+    its format first). A hint for an error message, so neither a large manifest nor a
+    broken one is parsed for it."""
+    manifest = os.path.join(d, "zarr.json")
+    if is_generation_name(os.path.basename(d)) and os.path.isfile(manifest):
+        return True
     try:
-        with open(os.path.join(d, "zarr.json"), "rb") as f:
+        with open(manifest, "rb") as f:
             return f'"format":"{FORMATS["checkpoint"]}"'.encode() in f.read(4096)
     except OSError:
         return False
@@ -50,9 +54,17 @@ def _not_torn(name: str, where: str) -> None:
 
 
 def _group_attrs(d: str) -> dict | None:
+    """The attributes of the group at ``d``, None when ``d`` holds no zarr.json. A
+    zarr.json that cannot be read is our input (the only zarr groups we read are our stores
+    and generations) with a broken manifest: said so, with what is wrong, rather than
+    trying the other formats and reporting that ``d`` is none of them."""
     if not os.path.isfile(os.path.join(d, "zarr.json")):
         return None
-    return read_manifest_attrs(d)
+    try:
+        return read_manifest_attrs(d)
+    except CheckpointError as e:
+        raise CheckpointError(f"{d}: an offload-engine checkpoint generation or store whose "
+                              f"manifest cannot be read: {e}") from None
 
 
 def _group_format(d: str, seen: dict | None = None) -> str | None:
@@ -80,6 +92,22 @@ def detect_with_manifest(path: str, generation: str | None = None, seen: dict | 
     return kind, target, gen, seen.get(os.path.abspath(target))
 
 
+def _named(root: str, name: str, seen: dict, why: str) -> tuple[str, str, str]:
+    """The generation or DeepSpeed tag folder ``root/name`` (it exists), ``why`` saying
+    who named it in errors."""
+    target = os.path.join(root, name)
+    fmt = _group_format(target, seen)
+    if fmt == FORMATS["checkpoint"]:
+        return "checkpoint", target, name
+    if _is_ds_tag(target):
+        return "deepspeed", root, name
+    if fmt is not None:
+        raise FormatError(f"{os.path.join(target, 'zarr.json')} ({why}): the manifest's format "
+                          f"is {fmt!r}, not {FORMATS['checkpoint']!r}")
+    raise FormatError(f"{target} ({why}) is neither a checkpoint generation nor a DeepSpeed "
+                      f"tag folder")
+
+
 def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, str | None]:
     path = os.path.abspath(path)
     if not os.path.exists(path):
@@ -97,11 +125,7 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
         target = os.path.join(path, generation)
         if not os.path.isdir(target):
             raise FormatError(f"{target}: generation or tag folder {generation!r} not found")
-        if _group_format(target, seen) == FORMATS["checkpoint"]:
-            return "checkpoint", target, generation
-        if _is_ds_tag(target):
-            return "deepspeed", path, generation
-        raise FormatError(f"{target}: neither a checkpoint generation nor a DeepSpeed tag folder")
+        return _named(path, generation, seen, "the generation or tag asked for")
     fmt = _group_format(path, seen)
     if fmt == FORMATS["checkpoint"]:
         _not_torn(os.path.basename(path), path)
@@ -119,12 +143,7 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
         if not os.path.isdir(target):
             raise FormatError(f"{os.path.join(path, 'latest')} names {name!r}, but {target} "
                                f"does not exist")
-        if _group_format(target, seen) == FORMATS["checkpoint"]:
-            return "checkpoint", target, name
-        if _is_ds_tag(target):
-            return "deepspeed", path, name
-        raise FormatError(f"{target} (named by 'latest') is neither a checkpoint generation "
-                           f"nor a DeepSpeed tag folder")
+        return _named(path, name, seen, "named by 'latest'")
     if _is_ds_tag(path):
         return "deepspeed", os.path.dirname(path), os.path.basename(path)
     # generations or tag folders without 'latest': say which, before any safetensors beside

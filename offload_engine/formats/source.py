@@ -168,6 +168,12 @@ class TensorSource:
     def close(self) -> None:
         pass
 
+    def check_readable(self, keys: Sequence[tuple[str, str]]) -> None:
+        """Check, reading no data, what reads of ``keys`` ((tensor, state) pairs) rest on,
+        so that a caller may size buffers or files by the tensors' shapes: after it, the
+        declared sizes are ones the files on disk declare too. Errors name the file. The
+        default checks nothing (formats whose metadata is the files' own sizes)."""
+
     def __enter__(self):
         return self
 

@@ -127,16 +127,20 @@ class FlatArray:
         return array
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, io: AsyncFileIO, mode: str = "r") -> "FlatArray":
+    def open(cls, path: str | os.PathLike, *, io: AsyncFileIO, mode: str = "r",
+             metadata_crc32c: int | None = None) -> "FlatArray":
         """Open an existing array; ``mode`` is "r" (read only) or "r+" (read and write).
+        ``metadata_crc32c``: the checksum a checkpoint manifest records for the array's
+        zarr.json, checked against its bytes before they are parsed.
 
-        Raises NodeNotFoundError when there is no array at ``path``, MetadataError for a
-        corrupt zarr.json (naming it), ForeignArrayError for arrays the engine cannot serve.
+        Raises NodeNotFoundError when there is no array at ``path``, ChecksumError or
+        MetadataError for a corrupt zarr.json (naming it), ForeignArrayError for arrays the
+        engine cannot serve.
         """
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         path = os.fspath(path)
-        return cls(parse_array(path, read_node(path, "array")), io, mode)
+        return cls(parse_array(path, read_node(path, "array", metadata_crc32c)), io, mode)
 
     # -- properties ----------------------------------------------------------------------------
     @property

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 
-from .metadata import (MetadataError, NodeNotFoundError, compact_json, metadata_path, read_node,
-                       write_text_atomic)
+from .metadata import (MetadataError, NodeNotFoundError, compact_json, metadata_path, parse_node,
+                       read_node, read_node_bytes, write_text_atomic)
+from .metadata_crc import SEAL_KEY, check_crc32c, check_seal, seal, unsealed_attributes
 
 
 def group_doc(attributes: dict) -> dict:
@@ -20,22 +21,28 @@ def group_doc(attributes: dict) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes}
 
 
-def _group_text(doc: dict, path) -> str:
+def _group_text(doc: dict, path, sealed: bool = False) -> str:
     """``doc`` as compact JSON, serialised once (it doubles as the check that the
-    attributes are strict JSON); errors name the group."""
+    attributes are strict JSON); ``sealed`` ends it with the seal over its bytes
+    (``metadata_crc.py``: a committed checkpoint's manifest). Errors name the group."""
     if not isinstance(doc.get("attributes"), dict):
         raise ValueError(f"group {os.fspath(path)}: attributes must be a dict, got "
                          f"{type(doc.get('attributes')).__name__}")
+    if sealed:
+        doc = {**{k: v for k, v in doc.items() if k != "attributes"},
+               "attributes": unsealed_attributes(doc["attributes"])}
     try:
-        return compact_json(doc) + "\n"
+        text = compact_json(doc) + "\n"
     except (TypeError, ValueError) as e:
         raise ValueError(f"group {os.fspath(path)}: attributes are not JSON-serialisable: "
                          f"{e}") from None
+    return seal(text) if sealed else text
 
 
 def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
-                 exist_ok: bool = False) -> None:
-    """Create a group at ``path`` (parent directories too) with ``attributes``.
+                 exist_ok: bool = False, sealed: bool = False) -> None:
+    """Create a group at ``path`` (parent directories too) with ``attributes``; ``sealed``
+    ends its zarr.json with the seal over its bytes (a committed checkpoint's manifest).
 
     An existing group is an error unless ``exist_ok``; then it is kept, and its attributes
     are replaced when ``attributes`` is given. An existing array is always an error.
@@ -48,31 +55,46 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
         if not exist_ok:
             raise FileExistsError(f"cannot create group at {path}: a group is already there")
         if attributes is not None:
-            write_group_attributes(path, attributes)
+            write_group_attributes(path, attributes, sealed=sealed)
         return
-    text = _group_text(group_doc(attributes or {}), path)  # checked before any directory is made
+    text = _group_text(group_doc(attributes or {}), path, sealed)  # checked before any mkdir
     os.makedirs(path, exist_ok=True)
     write_text_atomic(metadata_path(path), text)
 
 
-def read_group(path: str | os.PathLike) -> dict:
+def read_group(path: str | os.PathLike, crc32c: int | None = None, *,
+               verify_seal: bool = False) -> dict:
     """The attributes of the group at ``path``.
 
-    Raises NodeNotFoundError when there is no node, MetadataError (naming zarr.json) when
-    the metadata is corrupt or describes an array.
+    ``crc32c``: the checksum a checkpoint manifest records for this zarr.json (a shard
+    table): its bytes are checked against it before they are parsed. ``verify_seal``: when
+    the attributes hold a seal (a checkpoint's manifest), check it against the file's bytes.
+    Raises NodeNotFoundError when there is no node, ChecksumError (naming zarr.json) when
+    its bytes are not the recorded ones, MetadataError (naming it) when the metadata is
+    corrupt or describes an array.
     """
-    doc = _read_group_doc(path)
-    return dict(doc.get("attributes", {}))
+    file, raw = read_node_bytes(path, "group")
+    if crc32c is not None:
+        check_crc32c(raw, crc32c, file)
+    doc = parse_node(raw, file)
+    if doc["node_type"] != "group":
+        raise MetadataError(f"{file} describes an array, not a group")
+    attributes = doc.get("attributes", {})
+    if verify_seal and SEAL_KEY in attributes:
+        check_seal(raw, file)
+    return dict(attributes)
 
 
-def write_group_attributes(path: str | os.PathLike, attributes: dict) -> None:
-    """Replace the group's attributes, atomically (temp file, fsync, rename, fsync dir).
+def write_group_attributes(path: str | os.PathLike, attributes: dict, *,
+                           sealed: bool = False) -> None:
+    """Replace the group's attributes, atomically (temp file, fsync, rename, fsync dir);
+    ``sealed`` as for ``create_group``.
 
     Other fields of zarr.json are kept as they are.
     """
     doc = _read_group_doc(path)
     doc["attributes"] = attributes
-    write_text_atomic(metadata_path(path), _group_text(doc, path))
+    write_text_atomic(metadata_path(path), _group_text(doc, path, sealed))
 
 
 def list_children(path: str | os.PathLike) -> dict[str, str]:

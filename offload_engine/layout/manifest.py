@@ -25,8 +25,12 @@ from .group import create_group, read_group
 from .metadata import MetadataError, metadata_path
 
 SHARDS = "shards"
-# 2: the shard tables left the tensor table (version 1 listed every shard in it)
+# 2: the shard tables left the tensor table (version 1 listed every shard in it). Stores
+# write 2; so did checkpoints before their metadata was checksummed.
 MANIFEST_VERSION = 2
+# 3: a checkpoint's manifest records the crc32c of every other metadata file and ends with
+# its seal (metadata_crc.py); the tables themselves are version 2's
+CHECKPOINT_VERSION = 3
 
 
 def rank_group(rank: int) -> str:
@@ -82,10 +86,27 @@ def write_shard_table(group: str, rank: int, shards: dict) -> None:
     create_group(os.path.join(group, rank_group(rank)), {SHARDS: shards}, exist_ok=True)
 
 
-def read_shard_table(group: str, rank: int) -> dict:
-    """Rank ``rank``'s shard table. NodeNotFoundError when the rank's group is missing,
-    MetadataError (naming the file) when it is corrupt or holds no table."""
-    table = read_group(os.path.join(group, rank_group(rank))).get(SHARDS)
+def shard_table_key(rank: int) -> str:
+    """Rank ``rank``'s shard table as the manifest's ``metadata_checksums`` names it."""
+    return f"{rank_group(rank)}/zarr.json"
+
+
+def array_metadata_key(array: str) -> str:
+    """Array ``array``'s zarr.json as the manifest's ``metadata_checksums`` names it."""
+    return f"{array}/zarr.json"
+
+
+def rank_metadata_files(rank: int, arrays) -> list[str]:
+    """The metadata files rank ``rank`` writes into a generation, as the manifest names
+    them: its shard table and the zarr.json of each of its ``arrays``."""
+    return [shard_table_key(rank)] + [array_metadata_key(a) for a in arrays]
+
+
+def read_shard_table(group: str, rank: int, crc32c: int | None = None) -> dict:
+    """Rank ``rank``'s shard table; ``crc32c``, where the manifest records one, is checked
+    against the file's bytes first. NodeNotFoundError when the rank's group is missing,
+    ChecksumError or MetadataError (naming the file) when it is corrupt or holds no table."""
+    table = read_group(os.path.join(group, rank_group(rank)), crc32c).get(SHARDS)
     if not isinstance(table, dict):
         raise MetadataError(f"{shard_table_path(group, rank)}: no shard table (a 'shards' "
                             f"object in the attributes of rank {rank}'s group)")

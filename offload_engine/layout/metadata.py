@@ -19,6 +19,7 @@ from .. import dtypes
 from ..dtypes import DType
 from ..units import PAGE  # chunk files of our arrays are a whole number of pages (O_DIRECT)
 from .fill_values import default_fill_json, fill_to_bytes
+from .metadata_crc import check_crc32c
 
 ZARR_JSON = "zarr.json"
 
@@ -50,22 +51,36 @@ def metadata_path(node_path: str | os.PathLike) -> str:
     return os.path.join(os.fspath(node_path), ZARR_JSON)
 
 
-def read_node(node_path: str | os.PathLike, kind: str = "node") -> dict:
+def read_node(node_path: str | os.PathLike, kind: str = "node", crc32c: int | None = None) -> dict:
     """The parsed ``zarr.json`` of a zarr v3 node, checked for zarr_format 3 and a node_type.
 
-    ``kind`` ("array", "group" or "node") only words the not-found error.
-    Raises NodeNotFoundError, or MetadataError naming the file.
+    ``kind`` ("array", "group" or "node") only words the not-found error. ``crc32c``: the
+    checksum a checkpoint manifest records for the file; its bytes are checked against it
+    before they are parsed. Raises NodeNotFoundError, ChecksumError or MetadataError, each
+    naming the file.
     """
+    file, raw = read_node_bytes(node_path, kind)
+    if crc32c is not None:
+        check_crc32c(raw, crc32c, file)
+    return parse_node(raw, file)
+
+
+def read_node_bytes(node_path: str | os.PathLike, kind: str = "node") -> tuple[str, bytes]:
+    """``(path of zarr.json, its bytes)``; NodeNotFoundError or MetadataError naming it."""
     file = metadata_path(node_path)
     try:
         with open(file, "rb") as f:
-            raw = f.read()
+            return file, f.read()
     except FileNotFoundError:
         where = "does not exist" if not os.path.exists(node_path) else "has no zarr.json"
         raise NodeNotFoundError(f"no zarr {kind} at {os.fspath(node_path)!r}: the directory "
                                 f"{where} (expected {file})") from None
     except OSError as e:
         raise MetadataError(f"cannot read {file}: {e}") from e
+
+
+def parse_node(raw: bytes, file: str) -> dict:
+    """The bytes of ``file`` (a zarr.json) parsed and checked as zarr v3 node metadata."""
     doc = parse_json_object(raw, file, MetadataError)
     if "zarr_format" not in doc:
         raise MetadataError(f"{file} has no 'zarr_format' key")

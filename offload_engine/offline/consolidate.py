@@ -249,6 +249,9 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
             byte of the files (headers included).
     """
     plans, index, infos = plan_output(source, max_shard_bytes, dtype, exclude_frozen)
+    check = getattr(source, "check_readable", None)  # any object with tensors/read serves
+    if check is not None:  # before files are preallocated to the tensors' shapes
+        check([(i.name, i.state) for i in infos.values()])
     total = sum(p.data_bytes for p in plans)
     file_bytes = sum(p.file_size for p in plans)
     os.makedirs(out_dir, exist_ok=True)

@@ -64,6 +64,9 @@ def export_tensor(source: TensorSource, name: str, out_path: str, state: str | N
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
         raise FormatError(f"{out_path}: the folder {out_dir} does not exist")
+    check = getattr(source, "check_readable", None)
+    if check is not None:  # before a buffer or file is sized by the tensor's shape
+        check([(t.name, state)])
     with replacing(out_path) as tmp:
         if ext == ".pt":
             full = torch.empty(t.numel, dtype=src_dtype.torch)

@@ -26,15 +26,21 @@ def locate(ckpt_dir: str, tag: str | None = None) -> str:
         return ckpt_dir
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
-    if tag is None:
+    from_latest = tag is None  # a wrong name in latest (edited, or damaged) names latest too
+    if from_latest:
         tag = read_latest(ckpt_dir, CheckpointError)
-    if tag.endswith(PARTIAL):
-        raise CheckpointError(f"{os.path.join(ckpt_dir, tag)}: a torn (uncommitted) generation")
     gen = os.path.join(ckpt_dir, tag)
+
+    def where(what: str) -> str:
+        if from_latest:
+            return f"{os.path.join(ckpt_dir, 'latest')} names {tag!r}, but {gen} {what}"
+        return f"{gen}: {what}"
+    if tag.endswith(PARTIAL):
+        raise CheckpointError(where("is a torn (uncommitted) generation"))
     if not os.path.isdir(gen):
         torn = os.path.isdir(gen + PARTIAL)
-        raise CheckpointError(f"{gen}: does not exist"
-                              + (" (only a torn .partial copy exists)" if torn else ""))
+        raise CheckpointError(where("does not exist"
+                                    + (" (only a torn .partial copy exists)" if torn else "")))
     return gen
 
 

@@ -29,7 +29,11 @@ from typing import Sequence
 from ...io import AsyncFileIO, BufferPool
 from ...io.align import as_byte_view
 from ...layout import FlatArray, MetadataError, NodeNotFoundError
-from ...layout.manifest import read_shard_table, shard_table_path
+from ...layout.checksums import ChecksumError, mismatch
+from ...layout.manifest import (array_metadata_key, read_shard_table, shard_table_key,
+                                shard_table_path)
+from ...layout.member_paths import inside
+from ...layout.metadata_crc import file_crc32c
 from ...units import MiB
 from ..errors import CheckpointError
 from ..source import KIND_LABELS, Progress, SourceInfo, TensorMeta, TensorSource, Visit
@@ -53,11 +57,17 @@ class OursSource(TensorSource):
         depth: windows read ahead while one is processed.
         io_threads: threads issuing reads.
         attrs: the group's attributes when the caller already parsed them (``detect``).
+        verify_all_metadata: before the first read of data, check the crc32c of every
+            metadata file the manifest records (version 3 checkpoints), not only of those
+            the reads use: a damaged byte anywhere is an error. A rank of a distributed
+            load passes False: it checks the files it reads (its own shard table, rank
+            0's, its arrays), and W ranks reading every table would read them W times.
     """
 
     def __init__(self, group: str, kind: str, generation: str | None = None,
                  window_bytes: int = DEFAULT_WINDOW, depth: int = DEFAULT_DEPTH,
-                 io_threads: int = 8, attrs: dict | None = None):
+                 io_threads: int = 8, attrs: dict | None = None,
+                 verify_all_metadata: bool = True):
         if window_bytes <= 0 or window_bytes % 4096:
             raise ValueError(f"window size must be a positive multiple of 4096, got {window_bytes}")
         self.group = os.path.abspath(group)
@@ -80,11 +90,38 @@ class OursSource(TensorSource):
         if not m.has_tensor_table:
             self.info.notes.append("no tensor table in the manifest (the optimizer has not "
                                    "written one): flat arrays are listed as they are")
+        if kind == "checkpoint" and m.metadata_crcs is None:
+            self.info.notes.append(f"format version {m.format_version}: chunk data is "
+                                   f"checksummed, the metadata (manifest, shard tables, array "
+                                   f"zarr.json) is not: a damaged byte there may go unnoticed")
+        self._metadata_unverified = verify_all_metadata and m.metadata_crcs is not None
         self._io = AsyncFileIO(threads=io_threads, queue_depth=io_threads, block_size=8 * MiB)
         self._arrays: dict[str, ChunkedArray] = {}
         self._tables = ShardTables(m) if m.has_tensor_table else None
         self._pool: BufferPool | None = None
         self._ranges: RangeReader | None = None
+
+    def verify_metadata(self) -> None:
+        """Check the crc32c of every metadata file the manifest records (shard tables and
+        array zarr.json files; the manifest's own seal was checked when it was read) without
+        parsing them. ChecksumError or CheckpointError naming the file."""
+        for name, crc in (self.manifest.metadata_crcs or {}).items():
+            path = inside(self.group, name, CheckpointError, "metadata file")
+            try:
+                actual = file_crc32c(path)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: missing, but the checkpoint manifest records "
+                                      f"its crc32c") from None
+            except OSError as e:
+                raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
+            if actual != crc:
+                raise mismatch(path, actual, crc)
+        self._metadata_unverified = False
+
+    def _before_data(self) -> None:
+        """What every read of data does first (``verify_all_metadata``)."""
+        if self._metadata_unverified:
+            self.verify_metadata()
 
     @classmethod
     def open_checkpoint(cls, ckpt_dir: str, tag: str | None = None, **options) -> "OursSource":
@@ -117,9 +154,13 @@ class OursSource(TensorSource):
         return CheckpointError(f"{os.path.join(self.group, name)}: cannot open array {name!r} "
                                f"listed in the manifest: it is missing{hint}")
 
+    def _array_path(self, name: str) -> str:
+        """Where array ``name`` of the manifest is, checked to lie inside the group."""
+        return inside(self.group, name, CheckpointError, "array name")
+
     def _stat_arrays(self) -> None:
         for name in self.manifest.arrays:
-            if not os.path.isfile(os.path.join(self.group, name, "zarr.json")):
+            if not os.path.isfile(os.path.join(self._array_path(name), "zarr.json")):
                 raise self._missing_array(name)
 
     def _declared_chunks(self) -> int:
@@ -137,9 +178,13 @@ class OursSource(TensorSource):
         m = self.manifest
         if m.world_size is None:
             return
-        want = set(m.ranks) if m.has_tensor_table else set(range(m.world_size))
         ranks = {a.rank for a in m.arrays.values() if a.rank is not None}
-        missing = sorted(want - ranks)
+        if m.has_tensor_table:
+            missing = sorted(set(m.ranks) - ranks)
+        else:  # every rank of world_size, which nothing bounded: list a few, not all
+            held = sum(1 for r in ranks if r < m.world_size)
+            missing = ([r for r in range(len(ranks) + 3) if r not in ranks][:3]
+                       if held < m.world_size else [])
         if ranks and missing:
             raise CheckpointError(f"{self.group}: world_size is {m.world_size} but no array "
                                   f"belongs to rank(s) {missing} (a missing rank)")
@@ -153,11 +198,15 @@ class OursSource(TensorSource):
 
     def _open_array(self, name: str) -> ChunkedArray:
         entry = self.manifest.arrays[name]
-        path = os.path.join(self.group, name)
+        path = self._array_path(name)  # again: a symlink may have changed since listing
+        crcs = self.manifest.metadata_crcs
         try:
-            flat = FlatArray.open(path, io=self._io, mode="r")
+            flat = FlatArray.open(path, io=self._io, mode="r",
+                                  metadata_crc32c=crcs[array_metadata_key(name)] if crcs else None)
         except NodeNotFoundError:  # deleted since listing checked it
             raise self._missing_array(name) from None
+        except ChecksumError:  # names the file already
+            raise
         except (MetadataError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot open: {e}") from None
         if flat.element != entry.dtype or flat.numel != entry.numel:
@@ -183,10 +232,12 @@ class OursSource(TensorSource):
         todo = [r for r in ranks if r not in tables.ranks]
         if not todo:
             return
+        crcs = self.manifest.metadata_crcs
         with gc_paused():
             for r in todo:
                 try:
-                    doc = read_shard_table(self.group, r)
+                    doc = read_shard_table(self.group, r,
+                                           crcs[shard_table_key(r)] if crcs else None)
                 except NodeNotFoundError:  # deleted since listing checked it
                     raise self._missing_table(r) from None
                 except MetadataError as e:
@@ -196,6 +247,7 @@ class OursSource(TensorSource):
 
     def placements(self) -> dict:
         """{(tensor, state): [Placement]} from every held rank's shard table."""
+        self._before_data()
         if self._tables is None:
             return self.manifest.placements
         self._add_ranks(self.manifest.ranks)
@@ -213,6 +265,16 @@ class OursSource(TensorSource):
     def tensors(self) -> list[TensorMeta]:
         return self.manifest.tensors
 
+    def check_readable(self, keys) -> None:
+        """The metadata checksums, the shard tables that hold ``keys`` and the zarr.json of
+        every array they point into (dtype, numel and chunk count against the manifest):
+        a tensor's shape is then backed by arrays whose own metadata declares its size."""
+        self._before_data()
+        for name, state in keys:
+            t = self.tensor(name)
+            for p in self._placements_for(t, state, 0, t.numel):
+                self._array(p.array)
+
     def describe(self) -> str:
         return (f"{KIND_LABELS[self.kind]} {self.group} (step {self.manifest.step}, world size "
                 f"{self.manifest.world_size})")
@@ -224,6 +286,7 @@ class OursSource(TensorSource):
         return self._ranges
 
     def read(self, requests) -> None:
+        self._before_data()
         for req in requests:
             t = self.tensor(req.name)
             state = req.state or t.value_state()

@@ -21,6 +21,7 @@ import bisect
 import math
 
 from ..errors import CheckpointError
+from .bounds import RowSplit
 from .tensor_table import Manifest, Placement
 
 _EMPTY: dict = {}
@@ -49,6 +50,8 @@ class ShardTables:
             t = self._tensors[name]
             rows = t.shape[0] if t.shape else 1
             starts = None
+            if isinstance(counts, RowSplit):  # the FSDP2 split: no list of world_size starts
+                return counts.start(rank)
             if sum(counts) == rows:
                 starts, pos = [], 0
                 for c in counts:

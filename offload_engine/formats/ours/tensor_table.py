@@ -19,14 +19,20 @@ from typing import NamedTuple
 from ... import dtypes
 from ...dtypes import DType
 from ...layout import MetadataError, NodeNotFoundError, read_group
-from ...layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, STORE_FORMAT, fsdp_rows,
-                                held_ranks)
+from ...layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_VERSION,
+                                STORE_FORMAT, array_metadata_key, shard_table_key)
+from ...layout.member_paths import name_problem
+from ...layout.metadata_crc import METADATA_KEY, SEAL_KEY
 from ..errors import CheckpointError
+from .bounds import RowSplit, check_capacity, held_ranks_checked
 from ..source import StateMeta, TensorMeta
 
 FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
-KNOWN_VERSIONS = (MANIFEST_VERSION,)
+# version 2 checkpoints (written before metadata checksums) stay readable
+KNOWN_VERSIONS = {"store": (MANIFEST_VERSION,), "checkpoint": (MANIFEST_VERSION, CHECKPOINT_VERSION)}
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
+_RANK_TABLE = re.compile(r"rank(\d+)/zarr\.json")
+_SEAL = re.compile(r"[0-9a-f]{8}")
 
 
 class Placement(NamedTuple):
@@ -60,8 +66,11 @@ class Manifest:
     arrays: dict[str, ArrayEntry]
     tensors: list[TensorMeta]
     ranks: list[int]                        # ranks whose shard tables the group holds
-    rows: dict[str, list[int]]              # tensor -> rows each rank holds
+    rows: dict[str, list[int] | RowSplit]   # tensor -> rows each rank holds
     checksums: dict[str, list] | None = None
+    # {path inside the group: crc32c} of every metadata file but the manifest (version 3
+    # checkpoints); None where the metadata is not checksummed (stores, version 2)
+    metadata_crcs: dict[str, int] | None = None
     committed: bool | None = None
     has_tensor_table: bool = True
     placements: dict | None = None          # known at once only for a store without tensors
@@ -70,7 +79,8 @@ class Manifest:
     @property
     def all_ranks(self) -> bool:
         """Whether the group holds every rank (a checkpoint), not one (a live store)."""
-        return self.world_size is not None and self.ranks == list(range(self.world_size))
+        return (self.world_size is not None and len(self.ranks) == self.world_size
+                and self.ranks == list(range(self.world_size)))
 
 
 @contextlib.contextmanager
@@ -93,9 +103,11 @@ def gc_paused():
 
 
 def read_manifest_attrs(group: str) -> dict:
-    """The group's attributes; a missing or corrupt zarr.json is a CheckpointError naming it."""
+    """The group's attributes, its seal checked where it has one (a checkpoint since
+    version 3): every reader of a manifest reads it here. A missing or corrupt zarr.json is
+    a CheckpointError naming it, a seal that does not match its bytes a ChecksumError."""
     try:
-        return read_group(group)
+        return read_group(group, verify_seal=True)
     except (NodeNotFoundError, MetadataError) as e:
         raise CheckpointError(str(e)) from None
 
@@ -120,9 +132,9 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     if fmt != FORMATS[kind]:
         raise CheckpointError(f"{where}: manifest format is {fmt!r}, expected {FORMATS[kind]!r}")
     version = attrs.get("format_version")
-    if version not in KNOWN_VERSIONS:
+    if type(version) is not int or version not in KNOWN_VERSIONS[kind]:
         raise CheckpointError(f"{where}: format_version {version!r} is not supported (this "
-                           f"offload-engine reads {', '.join(map(str, KNOWN_VERSIONS))})")
+                              f"offload-engine reads {', '.join(map(str, KNOWN_VERSIONS[kind]))})")
     step = attrs.get("step")
     if step is not None:
         step = _int(step, "'step'", where)
@@ -140,23 +152,25 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
             if key not in attrs:
                 raise CheckpointError(f"{where}: the checkpoint manifest has no {key!r}")
         checksums = _parse_checksums(attrs.get("checksums"), arrays, where)
+    metadata_crcs = None
+    if kind == "checkpoint" and version >= CHECKPOINT_VERSION:
+        metadata_crcs = _parse_metadata_crcs(attrs, world, arrays, where)
     extra = {k: v for k, v in attrs.items()
              if k not in ("format", "format_version", "step", "world_size", "arrays",
-                          "tensors", "checksums", "committed", "stripes")}
+                          "tensors", "checksums", "committed", "stripes", METADATA_KEY,
+                          SEAL_KEY)}
     tensors_doc = attrs.get("tensors")
     if tensors_doc is None:
         tensors, placements = _bare_arrays(arrays)
         return Manifest(fmt, version, step, world, arrays, tensors, [], {}, checksums,
-                        committed, False, placements, extra)
+                        metadata_crcs, committed, False, placements, extra)
     if world is None:
         raise CheckpointError(f"{where}: a manifest with a tensor table needs 'world_size'")
-    ranks = held_ranks(attrs)
-    if not all(type(r) is int and 0 <= r < world for r in ranks):
-        raise CheckpointError(f"{where}: 'rank' must be an integer in [0, {world}), got "
-                           f"{attrs.get('rank')!r}")
-    tensors, rows = _parse_tensors(tensors_doc, world, ranks, where)
+    ranks = held_ranks_checked(attrs, world, arrays, where)  # before any list of ranks
+    tensors, rows, per_split = _parse_tensors(tensors_doc, world, ranks, where)
+    check_capacity(per_split, ranks, tensors, arrays, where)  # before a shape sizes anything
     return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
-                    committed, True, None, extra)
+                    metadata_crcs, committed, True, None, extra)
 
 
 def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
@@ -166,6 +180,10 @@ def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
     for name, entry in doc.items():
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: arrays[{name!r}] must be an object")
+        problem = name_problem(name)
+        if problem is not None:  # the same check readers repeat, with symlinks, at open
+            raise CheckpointError(f"{where}: array name {name!r} {problem}; refused (names in "
+                                  f"a manifest stay inside its directory)")
         m = _RANK_PREFIX.match(name)
         chunk = entry.get("bucket_elems")
         out[name] = ArrayEntry(name, _dtype(entry.get("dtype"), f"array {name!r}", where),
@@ -187,6 +205,37 @@ def _parse_checksums(doc, arrays: dict[str, ArrayEntry], where: str) -> dict[str
                 c is None or (type(c) is int and 0 <= c < 2**32) for c in crcs):
             raise CheckpointError(f"{where}: checksums of array {name!r} must be a list of "
                                f"unsigned 32-bit integers or nulls")
+    return doc
+
+
+def _parse_metadata_crcs(attrs: dict, world: int, arrays: dict[str, ArrayEntry],
+                         where: str) -> dict[str, int]:
+    """A version 3 checkpoint's ``metadata_checksums``: one crc32c for each rank's shard
+    table and each array's zarr.json, none for anything else; and the seal (checked
+    against the file's bytes by ``read_manifest_attrs``), which it must have."""
+    if type(attrs.get(SEAL_KEY)) is not str or not _SEAL.fullmatch(attrs[SEAL_KEY]):
+        raise CheckpointError(f"{where}: a version 3 checkpoint manifest ends with "
+                              f"'{SEAL_KEY}' (8 hex digits); this one has "
+                              f"{attrs.get(SEAL_KEY)!r}: damaged")
+    doc = attrs.get(METADATA_KEY)
+    if type(doc) is not dict:
+        raise CheckpointError(f"{where}: a version 3 checkpoint manifest needs "
+                              f"'{METADATA_KEY}' {{file: crc32c}}")
+    for name, crc in doc.items():
+        m = _RANK_TABLE.fullmatch(name)
+        known = ((m is not None and int(m.group(1)) < world and name == shard_table_key(int(m.group(1))))
+                 or (name.endswith("/zarr.json") and name[:-len("/zarr.json")] in arrays))
+        if not known:
+            raise CheckpointError(f"{where}: {METADATA_KEY} names {name!r}, neither a rank's "
+                                  f"shard table nor the zarr.json of an array in 'arrays'")
+        if type(crc) is not int or not 0 <= crc < 2**32:
+            raise CheckpointError(f"{where}: {METADATA_KEY}[{name!r}] must be an unsigned "
+                                  f"32-bit integer, got {crc!r}")
+    if len(doc) != world + len(arrays):  # each name is one of these files: so all are there
+        missing = next((k for k in [array_metadata_key(a) for a in arrays] if k not in doc),
+                       None) or next(shard_table_key(r) for r in range(world)
+                                     if shard_table_key(r) not in doc)
+        raise CheckpointError(f"{where}: {METADATA_KEY} has no checksum for {missing!r}")
     return doc
 
 
@@ -214,7 +263,9 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
     if not isinstance(doc, dict):
         raise CheckpointError(f"{where}: 'tensors' must be an object {{name: entry}}")
     known_dtypes: dict[str, DType] = {}  # zarr name -> dtype, checked once
-    all_ranks = ranks == list(range(world))
+    split_of: dict[int, RowSplit] = {}  # rows -> their FSDP2 split: tensors share a few
+    per_split: dict = {}  # (rows per rank, dtype) -> elements per row of the states using both
+    all_ranks = len(ranks) == world and ranks == list(range(world))
     tensors, rows_of = [], {}
     for name, entry in doc.items():
         if type(entry) is not dict:
@@ -229,13 +280,17 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         row_numel = math.prod(shape[1:])
         counts = entry.get("rows_per_rank")
         if counts is None:
-            counts = fsdp_rows(rows, world)
+            counts = split_of.get(rows)
+            if counts is None:
+                counts = split_of[rows] = RowSplit(rows, world)
         elif (type(counts) is not list or len(counts) != world or not all(_nat(c) for c in counts)
               or (all_ranks and sum(counts) != rows)):
             raise CheckpointError(f"{where}: tensor {name!r}: 'rows_per_rank' must list the rows "
                                f"of each of the {world} ranks" + (f", adding up to {rows}"
                                                                   if all_ranks else "")
                                + f", got {counts!r}")
+        else:
+            counts = tuple(counts)  # a key of per_split below
         states = entry.get("states")
         if type(states) is not dict or not states:
             raise CheckpointError(f"{where}: tensor {name!r} has no 'states' object "
@@ -248,6 +303,8 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
                 known = known_dtypes[sdtype] = _dtype(sdtype, f"tensor {name!r}, state {state!r},", where)
             per_row = row_numel * known.itemsize
             states_meta[state] = StateMeta(known, numel, {r: counts[r] * per_row for r in ranks})
+            key = (counts, known)  # elements per row, summed by split and dtype (bounds.py)
+            per_split[key] = per_split.get(key, 0) + row_numel
         optimizer = entry.get("optimizer")
         if optimizer is not None and type(optimizer) is not str:
             raise CheckpointError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
@@ -258,5 +315,5 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
             meta.extra["adam_step"] = step
         tensors.append(meta)
         rows_of[name] = counts
-    return tensors, rows_of
+    return tensors, rows_of, per_split
 
