@@ -13,8 +13,8 @@ is communicated.
   FSDP + TP 2x2 and tensor parallel alone: S = W, which is ``4·(W-1)/W · P/W``, FSDP2's
   figure; a replicated matrix: S = 1).
 - no collective but all_to_all_single in a step; Newton-Schulz once per matrix over all
-  ranks; buffers (the way back's too) allocated once; under HSDP each state bucket read
-  and written once per step.
+  ranks, an even share on each (replicas included); buffers (the way back's too)
+  allocated once; under HSDP each state bucket read and written once per step.
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def check_step_counters(rank, world, model, ref, tmp, even_s=None):
             ns = torch.tensor([st.ns_calls])
             dist.all_reduce(ns)
             assert int(ns) == n_muon
+            if even_s is not None:   # replicas split the Newton-Schulz work too: an even share
+                assert st.ns_calls == n_muon // world, (st.ns_calls, n_muon, world)
             ex = opt.exchange
             now = [t.data_ptr() for t in ex.send + ex.recv + ex.back_send + ex.back_recv]
             assert before is None or now == before, "a step allocated new buffers"

@@ -1,7 +1,8 @@
 """ZeroMuon: torch.optim.Muon for matrices and torch.optim.AdamW for the rest, ZeRO-3 style.
 
 Parameters are DTensors on a 1-D or 2-D device mesh (FSDP2's ``Shard(0)``, HSDP, FSDP +
-tensor parallel, replicated: each rank holds one box of each parameter) or plain tensors. Optimizer state (Muon momentum, Adam moments, optionally fp32 masters) lives in a
+tensor parallel, replicated: each rank holds one box of each parameter) or plain tensors.
+Optimizer state (Muon momentum, Adam moments, optionally fp32 masters) lives in a
 per-rank TieredStore (GPU, pinned CPU or NVMe), never in Python-held tensors. Each step
 reads and writes every state bucket once, prefetched ahead of compute; a Muon matrix's
 Nesterov input travels as bf16 to one owner rank, which runs Newton-Schulz, and the result
