@@ -219,7 +219,22 @@ def test_fsdp_tp_2x2_bitwise_parity(tmp_path):
 
 
 # -- tensor parallel alone on a 1-D mesh of 3 ----------------------------------------------------------
+def refusals(mesh):
+    """A Partial parameter, and a gradient split unlike its parameter, are refused by name."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    w = nn.Parameter(DTensor.from_local(torch.ones(2, 3), mesh, (Partial(),), run_check=False))
+    with pytest.raises(ValueError, match=r"parameter w has placements \(Partial\(sum\),\): a Partial"):
+        ZeroMuon([("w", w)])
+    w = nn.Parameter(distribute_tensor(torch.ones(6, 3), mesh, (Shard(0),)))
+    with ZeroMuon([("w", w)]) as opt:
+        w.grad = distribute_tensor(torch.ones(6, 3), mesh, (Replicate(),))
+        with pytest.raises(ValueError, match=r"parameter w: the gradient is \(Replicate\(\),\) on "
+                                             r"a 3 mesh, the parameter \(Shard\(dim=0\),\)"):
+            opt.step()
+
+
 def tp_worker(rank, world, mesh, tmp):
+    refusals(mesh)
     run_cases(rank, world, mesh, tmp, tp, (0, 1, 2), {
         "up.weight": "(Shard(dim=0),)", "down.weight": "(Shard(dim=1),)",
         "plain.weight": "(Replicate(),)", "norm.weight": "(Replicate(),)",

@@ -71,19 +71,21 @@ def _ranks(mesh) -> set[int]:
     return set(mesh.mesh.flatten().tolist())
 
 
-def exchange_group(params: list[torch.Tensor]):
+def exchange_group(infos: list[ParamInfo]):
     """The process group the Muon exchange runs over (None if no parameter is a DTensor).
 
     All DTensor parameters must live on one mesh, or on sub-meshes of the largest one (whose
     ranks include theirs). A 1-D mesh's own group is used; a 2-D mesh's ranks are the whole
     world's (the default group) or a flattened mesh (it needs ``mesh_dim_names``)."""
     meshes = []
-    for p in params:
+    for info in infos:
+        p = info.param
         if not is_dtensor(p):
             continue
         if any(isinstance(pl, Partial) for pl in p.placements):
-            raise ValueError(f"DTensor parameter with placements {tuple(p.placements)}: a "
-                             "Partial parameter has no values to optimize")
+            raise ValueError(f"parameter {info.name or info.index} has placements "
+                             f"{tuple(p.placements)}: a Partial parameter (a sum still to be "
+                             "reduced) has no values to optimize")
         if p.device_mesh not in meshes:
             meshes.append(p.device_mesh)
     if not meshes:

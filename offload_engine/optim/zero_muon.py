@@ -123,7 +123,7 @@ class ZeroMuon(torch.optim.Optimizer):
             raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.infos = infos
-        self.group = exchange_group([i.param for i in infos])
+        self.group = exchange_group(infos)
         if self.group is not None:
             self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         else:
