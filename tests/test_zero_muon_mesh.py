@@ -21,7 +21,8 @@ from torch import nn
 
 from offload_engine.optim import ZeroMuon, default_use_muon
 from test_zero_muon_parity import CASES, MLP, step_and_zero, store_config
-from zero_muon_harness import assert_parity, reference_optimizers, set_grads, spawn, spawn_mesh
+from zero_muon_harness import (assert_parity, local_part, reference_optimizers, set_grads,
+                                spawn, spawn_mesh)
 from zero_muon_meshes import fsdp_tp, hsdp, placements, tp
 
 pytestmark = pytest.mark.multiprocess
@@ -166,6 +167,32 @@ def fsdp_tp_training(rank, world, mesh, tmp):
         opt.close()
 
 
+def fsdp_tp_master_weights(rank, world, mesh, tmp):
+    """bf16 parameters with fp32 masters on boxes: every master equals an fp32 torch run on
+    the upcast gradients, and every parameter that result rounded to bf16, bit for bit."""
+    model, ref = fsdp_tp(mesh, dtype=torch.bfloat16)
+    muon_kw, adamw_kw = dict(lr=0.02, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.01)
+    cfg = {"nvme_paths": [os.path.join(tmp, "masters")], "bucket_bytes": 4096,
+           "cpu_budget": 32 * 4096}
+    ref_params = dict(ref.named_parameters())
+    with ZeroMuon(model.named_parameters(), **muon_kw, adamw=adamw_kw, master_weights=True,
+                  store=cfg) as opt:
+        ref_opts = reference_optimizers(ref, muon_kw, adamw_kw)
+        for step in range(3):
+            set_grads(model, ref, step, rank, world)
+            for name, p in model.named_parameters():
+                ref_params[name].grad = p.grad.full_tensor().float()
+            step_and_zero(opt, ref_opts, [])
+            sd = opt.state_dict()
+            for info in opt.infos:
+                p = info.param
+                want = local_part(ref_params[info.name].detach(), p)
+                master = sd["state"][info.index]["master_param"]
+                assert tuple(master.placements) == tuple(p.placements), info.name
+                assert torch.equal(master.to_local(), want), f"step {step}: master of {info.name}"
+                assert torch.equal(p.to_local(), want.bfloat16()), f"step {step}: {info.name}"
+
+
 def state_dict_round_trip(rank, world, mesh, tmp, build):
     """Our state dict (DTensors with the parameters' placements) and torch's (full tensors)
     both load into a fresh ZeroMuon on the same mesh, which then continues bit for bit."""
@@ -211,6 +238,7 @@ def fsdp_tp_worker(rank, world, mesh, tmp):
         "norm.weight": "(Shard(dim=0), Replicate())",                  # SequenceParallel
         "plain.weight": "(Shard(dim=0),)"})                            # no plan: dp sub-mesh
     fsdp_tp_training(rank, world, mesh, tmp)
+    fsdp_tp_master_weights(rank, world, mesh, tmp)
     state_dict_round_trip(rank, world, mesh, tmp, fsdp_tp)
 
 

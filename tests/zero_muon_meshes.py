@@ -68,12 +68,13 @@ def hsdp(mesh, seed: int = 0):
     return model, ref
 
 
-def fsdp_tp(mesh, seed: int = 0):
-    """(model with tensor parallel over mesh["tp"] and FSDP2 over mesh["dp"], its twin)."""
+def fsdp_tp(mesh, seed: int = 0, dtype=torch.float32):
+    """(model with tensor parallel over mesh["tp"] and FSDP2 over mesh["dp"], its fp32 twin);
+    the model's parameters are ``dtype``, the twin starts from the same values."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
-    model = TPBag(seed)
-    ref = copy.deepcopy(model)
+    model = TPBag(seed).to(dtype)
+    ref = copy.deepcopy(model).float()
     parallelize_module(model, mesh["tp"], tp_plan())
     fully_shard(model, mesh=mesh["dp"])
     return model, ref
