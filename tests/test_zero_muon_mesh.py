@@ -97,7 +97,18 @@ def hsdp_training(rank, world, mesh, tmp):
         opt.close()
 
 
+def mesh_refusals(mesh):
+    """Parameters on two meshes, neither inside the other, are refused: the exchange runs over
+    one process group."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    a = nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh["replicate"], (Shard(0),)))
+    b = nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh["shard"], (Shard(0),)))
+    with pytest.raises(ValueError, match="all must be on one mesh or on sub-meshes of the largest"):
+        ZeroMuon([("a", a), ("b", b)])
+
+
 def hsdp_worker(rank, world, mesh, tmp):
+    mesh_refusals(mesh)
     run_cases(rank, world, mesh, tmp, hsdp, range(len(CASES)),
               {"w_big": "(Replicate(), Shard(dim=0))"})
     hsdp_training(rank, world, mesh, tmp)

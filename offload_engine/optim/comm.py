@@ -171,7 +171,8 @@ class Exchange:
     back-receive buffer."""
 
     def __init__(self, group, rank: int, world: int, slots: int, max_send: int, max_recv: int,
-                 device: torch.device | str = "cpu", max_back_send: int = 0, max_back_recv: int = 0):
+                 device: torch.device | str = "cpu", max_back_send: int = 0,
+                 max_back_recv: int = 0):
         self.group, self.rank, self.world = group, rank, world
         bf16 = torch.bfloat16
         self.send = [torch.zeros(max(max_send, 1), dtype=bf16, device=device) for _ in range(slots)]

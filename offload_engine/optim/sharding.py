@@ -93,9 +93,9 @@ def exchange_group(infos: list[ParamInfo]):
     mesh = max(meshes, key=lambda m: m.size())   # the first of the largest: the same on every rank
     for m in meshes:
         if not _ranks(m) <= _ranks(mesh):
-            raise ValueError(f"DTensor parameters on device meshes {m} and {mesh}: all must be on "
-                             "one mesh or on sub-meshes of the largest (ZeroMuon exchanges over one "
-                             "process group)")
+            raise ValueError(f"DTensor parameters on device meshes {m} and {mesh}: all must be "
+                             "on one mesh or on sub-meshes of the largest (ZeroMuon exchanges "
+                             "over one process group)")
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh.size() == dist.get_world_size():
