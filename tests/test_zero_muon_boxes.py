@@ -201,3 +201,16 @@ def test_checkpoints_refuse_boxes_by_name_and_placement():
                                                   r"Shard\(dim=0\)\) on a 2x2 mesh: a checkpoint"):
         info.row_offset(1)
     assert info.local_shape(1) == (3, 5) and info.local_numel(3) == 15
+
+
+@pytest.mark.parametrize("replicas, shards", [(2, 2), (2, 4), (3, 3)])
+def test_hsdp_u_never_leaves_the_owners_replica_even_from_empty_shards(replicas, shards):
+    """Rows fewer than shards leave some ranks an empty box; an owner among them still gets
+    U from its own replica (its node), so only O crosses replicas."""
+    w = replicas * shards
+    infos = [info_of(j, s, hsdp_split(s, replicas, shards)) for j, s in enumerate(SHAPES)]
+    for owner in range(w):
+        plans, _ = play(infos, w, owners=[owner] * len(infos))
+        for r in range(w):
+            if plans[r].send_splits[owner] and r != owner:
+                assert r // shards == owner // shards, (owner, r)

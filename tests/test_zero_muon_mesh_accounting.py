@@ -5,7 +5,7 @@ is communicated.
 - the exact formula, from every rank's box (gathered here with torch's own placement
   arithmetic, not the optimizer's) and the owners: a rank sends its box of U for each
   matrix whose box it is the source of (the owner if it holds that box, else the holder
-  with the owner's replica index) and, as an owner, every other holder's box of O; it
+  in the owner's replica) and, as an owner, every other holder's box of O; it
   receives the pieces of the matrices it owns from their sources and its box of O of
   every other matrix. bf16: 2 bytes an element.
 - the closed forms when shards and owners are even: ``2·P·(W + S - 2)/(W·S)`` bytes
@@ -67,7 +67,10 @@ def expected_bytes(opt, boxes: dict[str, list], rank: int) -> tuple[int, int]:
         for g, b in enumerate(bx):
             if numel(b):
                 holders.setdefault(b, []).append(g)
-        source = {b: owner if owner in hs else hs[k % len(hs)] for b, hs in holders.items()}
+        # an owner with an empty box: its replica from its position (ranks replica by replica)
+        source = {b: owner if owner in hs else
+                  hs[k % len(hs)] if numel(bx[owner]) else hs[owner * len(hs) // len(bx)]
+                  for b, hs in holders.items()}
         mine = numel(bx[rank])
         if owner == rank:
             received += sum(numel(b) for b, s in source.items() if s != rank)

@@ -105,13 +105,24 @@ def sources(boxes: list[Box], owner: int) -> list[bool]:
     The owner sends nothing for a box it holds itself. Any other box comes from its holder
     with the owner's replica index (modulo the number of holders): under HSDP that is the
     rank of the owner's own replica (its shard group, inside a node), and owners spread
-    over replicas spread the sending over them too."""
-    k = replica_index(boxes, owner)
+    over replicas spread the sending over them too.
+
+    An owner with an empty box (fewer rows than shards) has no replica index of its own:
+    equal empty boxes of one replica would count as copies. Its replica is then taken from
+    its position, ``owner * holders // ranks``: HSDP numbers ranks replica by replica, so
+    this is the replica the owner sits in."""
+    world = len(boxes)
+    k = replica_index(boxes, owner) if boxes[owner].numel else None
     holders: dict[Box, list[int]] = {}
     for g, b in enumerate(boxes):
         if b.numel:
             holders.setdefault(b, []).append(g)
-    out = [False] * len(boxes)
+    out = [False] * world
     for b, hs in holders.items():
-        out[owner if owner in hs else hs[k % len(hs)]] = True
+        if owner in hs:
+            out[owner] = True
+        elif k is not None:
+            out[hs[k % len(hs)]] = True
+        else:
+            out[hs[owner * len(hs) // world]] = True
     return out
