@@ -1,8 +1,10 @@
 """Spawned-process harness for the ZeroMuon tests: gloo process groups on CPU.
 
-``spawn(world, fn, *args)`` runs ``fn(rank, world, *args)`` in ``world`` processes that have
-joined one gloo group (file rendezvous: no ports) and a 1-D device mesh, one thread each.
-A failed assertion in any rank fails the test with that rank's traceback.
+``spawn(world, fn, *args)`` runs ``fn(rank, world, mesh, *args)`` in ``world`` processes that
+have joined one gloo group (file rendezvous: no ports) and a 1-D device mesh, one thread
+each; ``spawn_mesh(shape, names, fn, *args)`` does the same with a device mesh of that
+shape (e.g. ``(2, 2)``, ``("replicate", "shard")``). A failed assertion in any rank fails
+the test with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import torch.multiprocessing as mp
 from torch import nn
 
 
-def _entry(rank, world, init_file, fn, args):
+def _entry(rank, world, init_file, fn, args, shape=None, names=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", shape or (world,), mesh_dim_names=names)
         fn(rank, world, mesh, *args)
         dist.barrier()
     finally:
@@ -32,6 +34,16 @@ def _entry(rank, world, init_file, fn, args):
 def spawn(world: int, fn, *args) -> None:
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_entry, args=(world, os.path.join(d, "rendezvous"), fn, args), nprocs=world, join=True)
+
+
+def spawn_mesh(shape: tuple[int, ...], names: tuple[str, ...], fn, *args) -> None:
+    """``spawn`` over ``prod(shape)`` processes with a device mesh of ``shape`` named ``names``."""
+    world = 1
+    for n in shape:
+        world *= n
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world, os.path.join(d, "rendezvous"), fn, args, shape, names),
+                 nprocs=world, join=True)
 
 
 # -- models -----------------------------------------------------------------------------------------
@@ -60,28 +72,29 @@ class Bag(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=g)))
 
 
-def local_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's Shard(0) block of ``full`` (torch.chunk sizes, as FSDP2)."""
-    if full.ndim == 0:
-        return full
-    chunks = list(torch.chunk(full, world, dim=0))
-    if rank < len(chunks):
-        return chunks[rank]
-    return full[full.shape[0]:]
+def local_part(full: torch.Tensor, p) -> torch.Tensor:
+    """The part of ``full`` that this rank holds of DTensor ``p`` (its box, as torch's DTensor
+    computes it from the placements: rows under FSDP2, a rectangle under tensor parallel)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def set_grads(model, ref, step: int, rank: int, world: int, seed: int = 1000) -> None:
-    """The same full gradient for both models; the sharded one gets its rows as a DTensor."""
-    from torch.distributed.tensor import DTensor, Shard
+    """The same full gradient for both models; the sharded one gets its box as a DTensor
+    with the parameter's placements."""
+    from torch.distributed.tensor import DTensor
     g = torch.Generator().manual_seed(seed + step)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        q = ref_params[name]
         full = torch.randn(q.shape, generator=g)
         q.grad = full.to(q.dtype)
         full = full.to(p.dtype)
         if isinstance(p, DTensor):
-            loc = local_rows(full, rank, world).clone()
+            loc = local_part(full, p).clone()
             assert loc.shape == p.to_local().shape, (name, loc.shape, p.to_local().shape)
-            p.grad = DTensor.from_local(loc, p.device_mesh, (Shard(0),), run_check=False,
+            p.grad = DTensor.from_local(loc, p.device_mesh, p.placements, run_check=False,
                                         shape=p.shape, stride=p.stride())
         else:
             p.grad = full.clone()
@@ -110,7 +123,7 @@ def assert_parity(opt, model, ref, ref_opts, rank: int, world: int, where: str) 
     for name, p in model.named_parameters():
         q = ref_params[name]
         mine = p.to_local() if isinstance(p, DTensor) else p
-        want = local_rows(q.detach(), rank, world) if isinstance(p, DTensor) else q.detach()
+        want = local_part(q.detach(), p) if isinstance(p, DTensor) else q.detach()
         if not torch.equal(mine, want):
             diff = (mine.double() - want.double()).abs().max().item() if mine.numel() else None
             raise AssertionError(f"{where}: parameter {name} differs (max |diff| {diff})")
@@ -126,7 +139,10 @@ def assert_parity(opt, model, ref, ref_opts, rank: int, world: int, where: str) 
         for k, v in want_state.items():
             h = have[k]
             h = h.to_local() if isinstance(h, DTensor) else h
-            w = v if k == "step" else (local_rows(v, rank, world) if isinstance(p, DTensor) else v)
+            w = v if k == "step" else (local_part(v, p) if isinstance(p, DTensor) else v)
+            if isinstance(p, DTensor) and k != "step":
+                d = sd["state"][index[name]][k]
+                assert tuple(d.placements) == tuple(p.placements), (name, k, d.placements)
             if not torch.equal(h, w):
                 raise AssertionError(f"{where}: state {k} of {name} differs")
 

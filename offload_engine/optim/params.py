@@ -1,13 +1,22 @@
-"""One parameter as the optimizer sees it: shape, kind, and the rows each rank holds.
+"""One parameter as the optimizer sees it: shape, kind, and the part each rank holds.
 
 Pure data (no torch import): the state layout, the owners of Muon matrices and the
 planner all work from these, and the planner builds them from shapes alone.
+
+What each rank holds is written one of two ways: ``rows_per_rank`` for a row split
+(FSDP2 ``Shard(0)`` on a 1-D mesh, a tensor held whole, and everything the planner lays
+out), or ``boxes`` (one ``boxes.Box`` per rank) for every other placement (HSDP, tensor
+parallel, replicated DTensors). ``box(rank)`` answers for both, so the exchange and the
+state layout have one code path; the row form stays because checkpoints and the store's
+manifest record rows.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from .boxes import Box, row_box
 
 
 @dataclass(eq=False)
@@ -21,8 +30,10 @@ class ParamInfo:
     kind: str                  # "muon" | "adamw"
     shape: tuple[int, ...]
     dtype: object              # a torch dtype or an ``offload_engine.dtypes`` name or DType
-    distributed: bool          # a Shard(0) DTensor (on a mesh of any size); else held whole
-    rows_per_rank: list[int] = field(default_factory=list)
+    distributed: bool          # a DTensor (on a mesh of any size); else held whole
+    rows_per_rank: list[int] = field(default_factory=list)  # a row split: rows of each rank
+    boxes: list[Box] | None = None   # any other split: each rank's box (rows_per_rank unused)
+    placement: str = ""        # how it is split, for messages, e.g. "(Replicate(), Shard(dim=0))"
 
     @property
     def row_numel(self) -> int:
@@ -37,8 +48,45 @@ class ParamInfo:
     def numel(self) -> int:
         return self.rows * self.row_numel
 
+    @property
+    def row_split(self) -> bool:
+        """Each rank holds whole rows, in rank order, each row once (no ``boxes``)."""
+        return self.boxes is None
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks the split lists."""
+        return len(self.rows_per_rank) if self.boxes is None else len(self.boxes)
+
+    def box(self, rank: int) -> Box:
+        """The part of the global tensor ``rank`` holds (its local tensor, row-major)."""
+        if self.boxes is not None:
+            return self.boxes[rank]
+        return row_box(self.shape, self.row_offset(rank), self.rows_per_rank[rank])
+
     def local_numel(self, rank: int) -> int:
+        """Elements ``rank`` holds."""
+        if self.boxes is not None:
+            return self.boxes[rank].numel
         return self.rows_per_rank[rank] * self.row_numel
 
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of the local tensor of ``rank``."""
+        if self.boxes is not None:
+            return self.boxes[rank].shape
+        return (self.rows_per_rank[rank], *self.shape[1:]) if self.shape else ()
+
     def row_offset(self, rank: int) -> int:
+        """First row ``rank`` holds; only for a row split (what checkpoints record)."""
+        self.require_row_split("a checkpoint, which records rows,")
         return sum(self.rows_per_rank[:rank])
+
+    def require_row_split(self, what: str) -> None:
+        """Raise NotImplementedError (naming the parameter and its placement) unless each rank
+        holds whole rows in rank order, which ``what`` needs."""
+        if self.boxes is not None:
+            raise NotImplementedError(
+                f"parameter {self.name or self.index} has placement {self.placement or 'boxes'}"
+                f": {what} needs FSDP2's Shard(0) on a 1-D mesh (each rank a block of rows); "
+                "other placements (HSDP, tensor parallel, replicated DTensors) are not supported "
+                "there yet")

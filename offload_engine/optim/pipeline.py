@@ -3,12 +3,13 @@
 A Muon bundle passes three stages, each a method here:
 
 1. ``pack``: for each bucket row, acquire the momentum (and master) bucket, update the
-   momentum on the local shard, write the Nesterov input U as bf16 into the slot's send
-   buffer, release the momentum (dirty); start all_to_all #1.
-2. ``orthogonalize``: wait for #1; per owned matrix, gather its row blocks into the
-   Newton-Schulz workspace, run Newton-Schulz, write O over the received rows; start
-   all_to_all #2.
-3. ``apply``: wait for #2; decay and update the local shard (or the master, then copy it
+   momentum on the local box, write the Nesterov input U as bf16 into the slot's send
+   buffer (where this rank is its box's source: ``comm.py``), release the momentum
+   (dirty); start all_to_all #1.
+2. ``orthogonalize``: wait for #1; per owned matrix, copy its pieces (boxes) into the
+   Newton-Schulz workspace, run Newton-Schulz, write each holder's box of O into the back
+   send buffer (over the received pieces, when no box is replicated); start all_to_all #2.
+3. ``apply``: wait for #2; decay and update the local box (or the master, then copy it
    to the bf16 parameter); release the master buckets.
 
 Every stage works on a ``resources.StepResources`` (made once by the optimizer: store,
@@ -117,10 +118,11 @@ class StepRunner:
                 grad = self._grad(ctx, seg, master is not None)
                 buf = handles[mom].tensor[seg.offset:seg.offset + n]
                 momentum_update_(buf, grad, g["momentum"])
-                u = nesterov_input(grad, buf, g["momentum"], g["nesterov"],
-                                   out=res.scratch.get("u", buf.dtype, n))
-                start = plan.send_offset[seg.param] + seg.lo
-                send[start:start + n].copy_(u)
+                out = plan.send_offset.get(seg.param)
+                if out is not None:  # else a replica of this box sends it
+                    u = nesterov_input(grad, buf, g["momentum"], g["nesterov"],
+                                       out=res.scratch.get("u", buf.dtype, n))
+                    send[out + seg.lo:out + seg.lo + n].copy_(u)
                 if master is not None:  # first step: the master starts from the parameter
                     self._master_seg(handles[master.name], seg, ctx)
             self._release(ctx, row, mom, handles[mom], touched)
@@ -129,31 +131,30 @@ class StepRunner:
         return held
 
     def orthogonalize(self, bundle, slot, ctx) -> None:
-        """Newton-Schulz on every matrix this rank owns in ``bundle``; O replaces U in place."""
+        """Newton-Schulz on every matrix this rank owns in ``bundle``; each holder's box of O
+        goes to the back send buffer (over U's pieces, when the way back is the way out)."""
         res = self.res
         plan = res.plans[bundle.index]
         _, recv = res.exchange.buffers(slot, plan)
+        back, _ = res.exchange.back_buffers(slot, plan)
         t0 = time.perf_counter()
         for om in plan.owned:
             if om.param not in ctx.active:
                 continue
             g = res.infos[om.param].group
-            cols = om.cols
-            x = res.ns.input(om.rows, cols).view(-1)
+            x = res.ns.input(om.rows, om.cols)
             for pc in om.pieces:
-                x[pc.row_start * cols:(pc.row_start + pc.rows) * cols].copy_(
-                    recv[pc.offset:pc.offset + pc.rows * cols])
-            out = res.ns.run(om.rows, cols, g["ns_coefficients"], g["ns_steps"], g["eps"])
-            for pc in om.pieces:
-                recv[pc.offset:pc.offset + pc.rows * cols].view(pc.rows, cols).copy_(
-                    out[pc.row_start:pc.row_start + pc.rows])
+                x[pc.box.slices()].copy_(recv[pc.offset:pc.offset + pc.numel].view(pc.box.shape))
+            out = res.ns.run(om.rows, om.cols, g["ns_coefficients"], g["ns_steps"], g["eps"])
+            for pc in om.returns:
+                back[pc.offset:pc.offset + pc.numel].view(pc.box.shape).copy_(out[pc.box.slices()])
         ctx.ns_s += time.perf_counter() - t0
 
     def apply(self, bundle, slot, ctx, held) -> None:
-        """Decay and orthogonalized step on the local shard (or master); release masters."""
+        """Decay and orthogonalized step on the local box (or master); release masters."""
         res = self.res
         plan = res.plans[bundle.index]
-        send, _ = res.exchange.buffers(slot, plan)
+        _, back = res.exchange.back_buffers(slot, plan)
         masters = {id(row): (h, touched) for row, h, touched in held}
         master = bundle.key(StateKind.MASTER)
         for row in self._rows(bundle, ctx):
@@ -165,8 +166,8 @@ class StepRunner:
                 g = info.group
                 lr = scalar(g["lr"])
                 n = seg.hi - seg.lo
-                start = plan.send_offset[seg.param] + seg.lo
-                update = send[start:start + n]
+                start = plan.back_offset[seg.param] + seg.lo
+                update = back[start:start + n]
                 p = ctx.params_flat[seg.param][seg.lo:seg.hi]
                 target = p if mh is None else mh[0].tensor[seg.offset:seg.offset + n]
                 apply_update_(target, update, lr, g["weight_decay"],

@@ -24,7 +24,12 @@ def param_state_arrays(opt, info: ParamInfo) -> dict[str, ArrayKey]:
 def state_arrays(opt) -> dict[str, tuple[str, str, torch.dtype, int]]:
     """Every state array of this rank's layout: ``{layout name: (store array name, torch
     state key, torch dtype, numel)}``. A copy of a store array (a snapshot) holds parameter
-    ``info``'s state ``key`` at ``state_offsets(opt, info)[key][1]``."""
+    ``info``'s state ``key`` at ``state_offsets(opt, info)[key][1]``.
+
+    Checkpoints record rows: NotImplementedError (naming the parameter and its placement)
+    when a parameter is held as boxes (a 2-D mesh, tensor parallel, a replicated DTensor)."""
+    for info in opt.infos:
+        info.require_row_split("saving a checkpoint")
     return {name: (opt.array_name(name), a.key.kind.state_key, a.dtype.torch, a.numel)
             for name, a in opt.layout.arrays.items()}
 

@@ -5,9 +5,10 @@ with parameters numbered over the groups in order. Muon entries hold ``momentum_
 (torch's lerp convention, so ``torch.optim.Muon`` continues from it); AdamW entries hold
 ``step``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``); with master weights, also
 ``master_param``. For a DTensor parameter each tensor is a DTensor with the parameter's
-mesh and Shard(0) placement (this rank's rows, as FSDP2 optimizers do); for a plain
-parameter a plain tensor. Loading accepts either, or a full tensor (cut to this rank's
-rows), so a state dict saved at one world size loads at another through full tensors.
+mesh and placements (this rank's box: its rows under FSDP2, as FSDP2 optimizers do); for
+a plain parameter a plain tensor. Loading accepts either, or a full tensor (cut to this
+rank's box), so a state dict saved at one world size or mesh loads at another through
+full tensors.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import torch
 from .sharding import is_dtensor
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
-    DTensor, Shard = None, None
+    DTensor = None
 
 
 def _local_shape(opt, info) -> tuple[int, ...]:
-    rows = info.rows_per_rank[opt.rank if info.distributed else 0]
-    return (rows, *info.shape[1:]) if info.shape else ()
+    return info.local_shape(opt.rank if info.distributed else 0)
 
 
 def _read_array(opt, info, key) -> torch.Tensor:
@@ -62,7 +62,7 @@ def _wrap(info, local: torch.Tensor) -> torch.Tensor:
     p = info.param
     if not is_dtensor(p):
         return local
-    return DTensor.from_local(local, p.device_mesh, (Shard(0),), run_check=False,
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
 
 
@@ -87,18 +87,18 @@ def read_state(opt) -> dict:
 
 
 def _local_part(opt, info, value: torch.Tensor, key: str) -> torch.Tensor:
-    """This rank's rows of ``value`` as a flat tensor in the state's dtype."""
+    """This rank's box of ``value`` as a flat tensor in the state's dtype."""
     want = _local_shape(opt, info)
     if is_dtensor(value):
         loc = value.to_local()
-        if tuple(value.placements) == (Shard(0),) and tuple(loc.shape) == want \
-                and tuple(value.shape) == info.shape:
+        if is_dtensor(info.param) and tuple(value.placements) == tuple(info.param.placements) \
+                and value.device_mesh == info.param.device_mesh \
+                and tuple(loc.shape) == want and tuple(value.shape) == info.shape:
             value = loc
         else:
             value = value.full_tensor()
     if tuple(value.shape) == info.shape and info.distributed:
-        lo = info.row_offset(opt.rank)
-        value = value[lo:lo + info.rows_per_rank[opt.rank]]
+        value = value[info.box(opt.rank).slices()]
     if tuple(value.shape) != want:
         raise ValueError(f"state {key!r} of parameter {info.name or info.index} has shape "
                          f"{tuple(value.shape)}; expected the full {info.shape} or this rank's {want}")

@@ -238,7 +238,7 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
         cur: list = []
         cur_max = None  # per-rank local sums of the open bundle
         for info in keys[key]:
-            sizes = [info.local_numel(r) for r in range(len(info.rows_per_rank))]
+            sizes = [info.local_numel(r) for r in range(info.ranks)]
             if cur:
                 trial = [a + b for a, b in zip(cur_max, sizes)]
                 if max(trial) <= cap:

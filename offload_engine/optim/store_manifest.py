@@ -16,8 +16,11 @@ def store_manifest(opt) -> tuple[dict, dict]:
     """``({"world_size", "rank", "tensors"}, shard table)`` for this rank's store.
 
     A replicated (non-DTensor) parameter is kept whole by every rank's store, so its
-    ``rows_per_rank`` is all rows on every rank."""
-    return manifest_tables(opt.infos, opt.layout, opt.rank, opt.world, opt.array_name,
+    ``rows_per_rank`` is all rows on every rank. The tables record rows, so a parameter
+    held as boxes (a 2-D mesh, tensor parallel, a replicated DTensor) is left out of them:
+    offline tools do not list it in a live store (its state is in the arrays all the same)."""
+    infos = [i for i in opt.infos if i.row_split]
+    return manifest_tables(infos, opt.layout, opt.rank, opt.world, opt.array_name,
                            lambda i: i.rows_per_rank if i.distributed else [i.rows] * opt.world)
 
 

@@ -1,7 +1,8 @@
 """ZeroMuon: torch.optim.Muon for matrices and torch.optim.AdamW for the rest, ZeRO-3 style.
 
-Parameters are FSDP2 ``Shard(0)`` DTensors (each rank holds a block of rows) or plain
-tensors. Optimizer state (Muon momentum, Adam moments, optionally fp32 masters) lives in a
+Parameters are DTensors on a 1-D or 2-D device mesh (FSDP2's ``Shard(0)``, HSDP, FSDP +
+tensor parallel, replicated: each rank holds one box of each parameter) or plain tensors.
+Optimizer state (Muon momentum, Adam moments, optionally fp32 masters) lives in a
 per-rank TieredStore (GPU, pinned CPU or NVMe), never in Python-held tensors. Each step
 reads and writes every state bucket once, prefetched ahead of compute; a Muon matrix's
 Nesterov input travels as bf16 to one owner rank, which runs Newton-Schulz, and the result
@@ -34,7 +35,7 @@ from .param_rules import default_use_muon
 from .params import ParamInfo
 from .pipeline import MuonPipeline, StepContext, StepRunner
 from .resources import Scratch, StepResources
-from .sharding import describe, flat_local, is_dtensor, local_tensor, process_group_of
+from .sharding import check_grad, describe, exchange_group, flat_local, is_dtensor, local_tensor
 from .state_io import load_state, read_state
 from .state_layout import build_layout
 from .step_events import SLOTS, Leases, kept_tails, pool_use, working_buckets
@@ -122,7 +123,7 @@ class ZeroMuon(torch.optim.Optimizer):
             raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.infos = infos
-        self.group = process_group_of([i.param for i in infos])
+        self.group = exchange_group(infos)
         if self.group is not None:
             self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         else:
@@ -163,10 +164,12 @@ class ZeroMuon(torch.optim.Optimizer):
                                         owner_of.get(c.index, [self.rank] * len(c.params)),
                                         self.rank, self.world, c.distributed)
                  for c in muon}
+        most = lambda f: max((f(pl) for pl in plans.values() if not pl.local), default=0)
         exchange = Exchange(self.group, self.rank, self.world, SLOTS,
                             max((pl.send_numel for pl in plans.values()), default=0),
-                            max((pl.recv_numel for pl in plans.values() if not pl.local), default=0),
-                            device=self.device)
+                            most(lambda pl: pl.recv_numel), device=self.device,
+                            max_back_send=most(lambda pl: pl.back_send_numel),
+                            max_back_recv=most(lambda pl: pl.back_recv_numel))
         owned = [m for pl in plans.values() for m in pl.owned]
         ns = NewtonSchulz(max((m.rows * m.cols for m in owned), default=0),
                           max((min(m.rows, m.cols) for m in owned), default=0), self.device)
@@ -292,6 +295,7 @@ class ZeroMuon(torch.optim.Optimizer):
             if p.grad.dtype != p.dtype:
                 raise ValueError(f"parameter {info.name or info.index}: gradient dtype "
                                  f"{p.grad.dtype} differs from the parameter's {p.dtype}")
+            check_grad(p, p.grad, f"parameter {info.name or info.index}")
             active.add(info.index)
             params_flat[info.index] = flat_local(p, f"parameter {info.name or info.index}")
             grads_flat[info.index] = flat_local(p.grad, f"gradient of {info.name or info.index}")
