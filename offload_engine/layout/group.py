@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from ..io import syscalls
+from ..io.errors import FileIOError
 from .metadata import (MetadataError, NodeNotFoundError, compact_json, metadata_path, read_node,
                        write_text_atomic)
 
@@ -51,7 +53,10 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
             write_group_attributes(path, attributes)
         return
     text = _group_text(group_doc(attributes or {}), path)  # checked before any directory is made
-    os.makedirs(path, exist_ok=True)
+    try:
+        syscalls.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise FileIOError(e.errno, "mkdir", path) from e
     write_text_atomic(metadata_path(path), text)
 
 
