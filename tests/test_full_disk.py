@@ -1,0 +1,44 @@
+"""A full disk (ENOSPC) during a step or a save: the error reaches the caller naming what
+failed, no byte the store holds is lost, and once the disk has room again the next step,
+flush, save and close work (docs/store.md and docs/checkpoint.md, "Faults").
+
+The exhaustive sweep over every call site is tests/test_fault_injection.py; these are the
+scenarios of the review that found the defects, one test each. The last one runs on a
+real 20 MiB tmpfs, where the machine lets us mount one (in a private mount namespace).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from offload_engine.io import AsyncFileIO, FileIOError
+from offload_engine.layout import FlatArray
+
+B = 4096
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_chunk_whose_first_write_fails_is_left_absent(tmp_path, code):
+    """The fallocate of a chunk's first write fails after its file was created: the file
+    is removed, so the chunk still reads as the fill value (a 0-byte file left there read
+    as a truncated chunk, making the array unreadable after a restart) and a later write
+    creates it again."""
+    from offload_engine.io.faults import FaultPlan, injected
+    with AsyncFileIO(threads=1, queue_depth=1) as io:
+        arr = FlatArray.create(str(tmp_path / "a"), 2 * B // 4, torch.float32, io=io,
+                               chunk_bytes=B)
+        data = torch.arange(B // 4, dtype=torch.float32) + 1
+        plan = FaultPlan(kind="allocate", errno=code, under=str(tmp_path))
+        with injected(plan), pytest.raises(OSError) as info:
+            arr.write(0, data)
+        assert plan.injected and info.value.errno == code
+        assert not os.path.exists(arr.chunk_path(0)), "a failed first write left a chunk file"
+        again = FlatArray.open(str(tmp_path / "a"), io=io, mode="r")
+        assert torch.equal(again.read(), torch.zeros(2 * B // 4))
+        arr.write(0, data)                                   # room again
+        reopened = FlatArray.open(str(tmp_path / "a"), io=io, mode="r")
+        assert torch.equal(reopened.read(0, B // 4), data)
