@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+import fault_scenarios as fs
 from offload_engine.io import AsyncFileIO, FileIOError
 from offload_engine.layout import FlatArray
 
@@ -42,3 +43,35 @@ def test_a_chunk_whose_first_write_fails_is_left_absent(tmp_path, code):
         arr.write(0, data)                                   # room again
         reopened = FlatArray.open(str(tmp_path / "a"), io=io, mode="r")
         assert torch.equal(reopened.read(0, B // 4), data)
+
+
+def test_a_full_disk_during_save_names_the_file_and_the_rank(tmp_path):
+    """Defect 7a: ENOSPC while the save writes its metadata (create_group ->
+    write_text_atomic) was a bare ``OSError: [Errno 28]`` naming no file and no rank. Now
+    it is an OSError (a CheckpointSaveError) saying which generation, rank, operation and
+    file; the generation before it stays the loadable one, and the next save works."""
+    from offload_engine.checkpoint import (CheckpointSaveError, load_checkpoint,
+                                           save_checkpoint)
+    from offload_engine.io.faults import FaultPlan, injected
+    ck = str(tmp_path / "ck")
+    model, opt = fs.make_optimizer(str(tmp_path / "state"))
+    fs.set_grads(model, 0)
+    opt.step()
+    save_checkpoint(ck, model, opt, 1)
+    gen1 = fs.capture(model, opt)
+    plan = FaultPlan(kind="write", site="layout.metadata.write_text_atomic", errno=errno.ENOSPC,
+                     times=None, under=ck)
+    with injected(plan), pytest.raises(CheckpointSaveError) as info:
+        save_checkpoint(ck, model, opt, 2)
+    err, text = info.value, str(info.value)
+    assert plan.injected, "no fault was injected"
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+    assert "rank 0" in text and "step-00000002" in text and "ENOSPC" in text, text
+    assert os.path.join(ck, "step-00000002.partial") in text and "zarr.json" in text, text
+    assert open(os.path.join(ck, "latest")).read().strip() == "step-00000001"
+    save_checkpoint(ck, model, opt, 3)                # room again: the next save commits
+    m2, o2 = fs.make_optimizer(str(tmp_path / "load"), seed=77)
+    assert load_checkpoint(ck, m2, o2, tag="step-00000001") == 1
+    fs.assert_same(m2, o2, gen1, "generation 1")
+    o2.close()
+    opt.close()
