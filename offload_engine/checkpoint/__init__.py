@@ -10,9 +10,10 @@ imported on first use: they pull in torch.distributed.
 from ..formats.errors import CheckpointError
 from ..formats.ours.generations import resolve
 from ..layout.checksums import ChecksumError
+from .save_errors import CheckpointSaveError
 
-__all__ = ["CheckpointError", "ChecksumError", "load_checkpoint", "resolve", "save_checkpoint",
-           "save_checkpoint_async"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "ChecksumError", "load_checkpoint", "resolve",
+           "save_checkpoint", "save_checkpoint_async"]
 
 
 def __getattr__(name: str):

@@ -23,6 +23,8 @@ import json
 import os
 import time
 
+from ..io import syscalls
+from ..io.errors import FileIOError
 from ..layout import create_group
 from ..layout.manifest import rank_group
 from ..layout.metadata import fsync_dir, write_json_atomic
@@ -44,12 +46,19 @@ def report_done(staging: str, rank: int, summary: dict) -> None:
 
 
 def report_failed(staging: str, rank: int, error: BaseException) -> None:
-    """Rank ``rank`` gives up on this generation (best effort: the disk may be the problem)."""
+    """Rank ``rank`` gives up on this generation (best effort: the disk may be the problem).
+    Where the report cannot be written (a full disk), an empty one is made instead, which
+    takes no data block: rank 0 still learns that this rank failed, instead of waiting."""
+    path = _report(staging, rank, FAILED)
     try:
-        os.makedirs(os.path.join(staging, rank_group(rank)), exist_ok=True)
-        write_json_atomic(_report(staging, rank, FAILED), {"error": f"{type(error).__name__}: {error}"})
+        syscalls.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json_atomic(path, {"error": f"{type(error).__name__}: {error}"})
     except OSError:
-        pass
+        try:
+            os.close(syscalls.open_fd(path, os.O_WRONLY | os.O_CREAT | syscalls.NOFOLLOW
+                                      | syscalls.CLOEXEC, 0o644))
+        except OSError:
+            pass
 
 
 def _failure(staging: str, world: int) -> str | None:
@@ -57,10 +66,9 @@ def _failure(staging: str, world: int) -> str | None:
         path = _report(staging, r, FAILED)
         if os.path.exists(path):
             try:
-                with open(path) as f:
-                    why = json.load(f).get("error", "?")
-            except (OSError, ValueError):
-                why = "(unreadable report)"
+                why = json.loads(syscalls.read_all(path)).get("error", "?")
+            except (OSError, ValueError, AttributeError):
+                why = "(an unreadable report: the disk may be full)"
             return f"{staging}: rank {r} failed to write its part: {why}"
     return None
 
@@ -75,8 +83,7 @@ def wait_for_ranks(staging: str, world: int, timeout_s: float) -> list[dict]:
             if r in summaries:
                 continue
             try:
-                with open(_report(staging, r, DONE)) as f:
-                    summaries[r] = json.load(f)
+                summaries[r] = json.loads(syscalls.read_all(_report(staging, r, DONE)))
             except FileNotFoundError:
                 pass
         if len(summaries) == world:
@@ -96,9 +103,17 @@ def commit(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int) -> 
     records the checksums of every other metadata file), then make it the committed one."""
     create_group(staging, attrs, sealed=True)  # fsyncs ``staging`` after it lands
     for r in range(world):
-        os.remove(_report(staging, r, DONE))
+        done = _report(staging, r, DONE)
+        try:
+            syscalls.unlink(done)
+        except OSError as e:
+            raise FileIOError(e.errno, "remove", done) from e
         fsync_dir(os.path.join(staging, rank_group(r)))
-    os.rename(staging, final)  # the commit point
+    try:
+        syscalls.rename(staging, final)  # the commit point
+    except OSError as e:
+        raise FileIOError(e.errno, "rename", staging,
+                          detail=f"{e.strerror} (committing it as {final})") from e
     fsync_dir(ckpt_dir)
     write_latest(ckpt_dir, os.path.basename(final))
 

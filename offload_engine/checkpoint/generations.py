@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 from ..formats.errors import CheckpointError
 from ..formats.latest import read_latest
+from ..io import syscalls
+from ..io.errors import FileIOError
 from ..layout.generations import LATEST, SUPERSEDED
-from ..layout.metadata import fsync_dir
+from ..layout.metadata import fsync_dir, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +28,20 @@ def prepare_staging(ckpt_dir: str, final: str, staging: str, step: int) -> BaseE
     generation of the same name that ``latest`` does not name: ``set_aside_orphan``); the
     error, if it cannot (rank 0 broadcasts it so that no rank waits for a save that never
     starts)."""
+    if os.path.exists(final):
+        problem = set_aside_orphan(ckpt_dir, final, step)
+        if problem is not None:
+            return problem
+    where = ("mkdir", ckpt_dir)
     try:
-        if os.path.exists(final):
-            problem = set_aside_orphan(ckpt_dir, final, step)
-            if problem is not None:
-                return problem
-        os.makedirs(ckpt_dir, exist_ok=True)
-        if os.path.exists(staging):
-            shutil.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
-        os.makedirs(staging)
+        syscalls.makedirs(ckpt_dir, exist_ok=True)
+        if os.path.lexists(staging):
+            where = ("remove", staging)
+            syscalls.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
+        where = ("mkdir", staging)
+        syscalls.makedirs(staging)
     except OSError as e:
-        return e
+        return FileIOError(e.errno, *where, detail=e.strerror)
     return None
 
 
@@ -66,7 +70,10 @@ def set_aside_orphan(ckpt_dir: str, final: str, step: int) -> BaseException | No
     while os.path.lexists(f"{final}{SUPERSEDED}{k}"):
         k += 1
     aside = f"{final}{SUPERSEDED}{k}"
-    os.rename(final, aside)
+    try:
+        syscalls.rename(final, aside)
+    except OSError as e:
+        return FileIOError(e.errno, "rename", final, detail=e.strerror)
     fsync_dir(ckpt_dir)
     log.warning("%s was committed but latest names %s (a crash between the commit and the "
                 "update of latest, or a rollback): kept as %s, which is never loaded; "
@@ -76,11 +83,9 @@ def set_aside_orphan(ckpt_dir: str, final: str, step: int) -> BaseException | No
 
 
 def write_latest(ckpt_dir: str, name: str) -> None:
-    """Point ``latest`` at generation ``name`` atomically (temp, fsync, rename, fsync dir)."""
-    tmp = os.path.join(ckpt_dir, f".{LATEST}.tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(ckpt_dir, LATEST))
-    fsync_dir(ckpt_dir)
+    """Point ``latest`` at generation ``name`` atomically (temp, fsync, rename, fsync dir).
+
+    The temporary file gets a new random name and is created exclusively, never through a
+    symlink (``write_text_atomic``): a fixed name such as ``.latest.tmp`` could be a link
+    planted there, and writing through it would overwrite (as root: any) file."""
+    write_text_atomic(os.path.join(ckpt_dir, LATEST), name + "\n")

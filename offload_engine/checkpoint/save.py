@@ -37,6 +37,7 @@ from .commit import commit, report_done, report_failed, wait_for_commit, wait_fo
 from .generations import prepare_staging
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
+from .save_errors import save_error
 from ..store.geometry import elems_per_bucket
 from ..units import MiB
 
@@ -95,7 +96,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         dist.broadcast_object_list(shared, src=0)
         problem = shared[0]
     if problem is not None:
-        raise problem
+        raise save_error(problem, final, 0)  # rank 0 prepares the generation's folder
 
     pending = PendingCheckpoint(final, step)
     buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
@@ -113,16 +114,19 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
             raise
     except BaseException as e:
         report_failed(staging, rank, e)  # so that rank 0 does not wait for this rank
-        raise
+        raise save_error(e, final, rank)
     adam_steps = {param_name(i): adam_step(opt, i) for i in plan["infos"]}
     attrs = _manifest(opt, step, world, buffers) if rank == 0 else None
 
     def body() -> None:
-        _write_rank(pending, writer, snap, staging, rank, adam_steps, t0)
-        if rank == 0:
-            _commit_as_rank0(ckpt_dir, staging, final, attrs, world, commit_timeout_s)
-        else:
-            wait_for_commit(staging, final, world, commit_timeout_s)
+        try:
+            _write_rank(pending, writer, snap, staging, rank, adam_steps, t0)
+            if rank == 0:
+                _commit_as_rank0(ckpt_dir, staging, final, attrs, world, commit_timeout_s)
+            else:
+                wait_for_commit(staging, final, world, commit_timeout_s)
+        except BaseException as e:  # an I/O error says which generation and rank
+            raise save_error(e, final, rank)
 
     guard(opt, pending)
     pending._run(body)

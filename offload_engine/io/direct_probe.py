@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import uuid
 
+from . import syscalls
 from .align import ALIGN
 
 PROBE_NAME = ".direct-probe"
@@ -22,13 +24,15 @@ def probe_direct(directory: str | os.PathLike, *, strict: bool = True) -> bool:
     """
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe = os.path.join(os.fspath(directory), PROBE_NAME)
+    # a new name, created exclusively and never through a symlink: a file or link already
+    # there (planted, or left by a crash) is never written to or removed
+    probe = os.path.join(os.fspath(directory), f"{PROBE_NAME}.{uuid.uuid4().hex}")
     buf = mmap.mmap(-1, ALIGN)  # page-aligned, as O_DIRECT wants
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0),
-                     0o600)
+        fd = syscalls.open_fd(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | syscalls.NOFOLLOW
+                              | os.O_DIRECT | syscalls.CLOEXEC, 0o600)
         try:
-            os.pwritev(fd, [buf], 0)
+            syscalls.pwritev(fd, [buf], 0, probe)
             return True
         finally:
             os.close(fd)
@@ -38,8 +42,8 @@ def probe_direct(directory: str | os.PathLike, *, strict: bool = True) -> bool:
         raise
     finally:
         buf.close()
-        try:
-            os.unlink(probe)
+        try:  # ours whatever happened (a refused O_DIRECT open may still create it)
+            syscalls.unlink(probe)
         except FileNotFoundError:
             pass
         except OSError:

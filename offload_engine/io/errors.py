@@ -22,6 +22,10 @@ class FileIOError(OSError):
         self.offset = offset
         self.length = length
 
+    def __reduce__(self):  # pickled whole (a rank's error travels to the others)
+        return type(self), (self.errno, self.op, self.path, self.offset, self.length,
+                            self.strerror)
+
     def __str__(self) -> str:
         where = ""
         if self.length is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..units import MiB
 from .align import ALIGN, address_of, as_byte_view, is_aligned
+from . import syscalls
 from .errors import FileIOError, TruncatedFileError
 
 log = logging.getLogger(__name__)
@@ -187,14 +188,14 @@ class AsyncFileIO:
         try:
             fd = self._fd(entry, direct=False)
             try:
-                os.posix_fallocate(fd, 0, nbytes)
+                syscalls.fallocate(fd, 0, nbytes, path)
             except OSError as e:
                 if nbytes == 0:
                     return  # nothing to reserve (posix_fallocate refuses a zero length)
                 if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     try:
                         if os.fstat(fd).st_size < nbytes:
-                            os.ftruncate(fd, nbytes)
+                            syscalls.ftruncate(fd, nbytes, path)
                     except OSError as e2:
                         raise FileIOError(e2.errno, "preallocate", path, 0, nbytes) from e2
                 else:
@@ -322,7 +323,7 @@ class AsyncFileIO:
         try:
             entry = self._acquire_file(path, writable=False)
             fd = self._fd(entry, direct=False)
-            os.fdatasync(fd)
+            syscalls.fdatasync(fd, path)
             with self._stats_lock:
                 self.stats.syncs += 1
             fut.set_result(0)
@@ -361,7 +362,7 @@ class AsyncFileIO:
     def _sync_path(self, req: _Request) -> None:
         entry = self._acquire_file(req.path, writable=True)
         try:
-            os.fdatasync(self._fd(entry, direct=False))
+            syscalls.fdatasync(self._fd(entry, direct=False), req.path)
             with self._stats_lock:
                 self.stats.syncs += 1
         except OSError as e:
@@ -406,9 +407,9 @@ class AsyncFileIO:
             chunk = piece[done:done + _LINUX_MAX_RW]
             try:
                 if req.op == "read":
-                    n = os.preadv(fd, [chunk], offset + done)
+                    n = syscalls.preadv(fd, [chunk], offset + done, req.path)
                 else:
-                    n = os.pwritev(fd, [chunk], offset + done)
+                    n = syscalls.pwritev(fd, [chunk], offset + done, req.path)
             except OSError as e:
                 if direct and done == 0 and e.errno == errno.EINVAL:
                     raise _DirectRefused() from e
@@ -490,7 +491,7 @@ class AsyncFileIO:
         if direct:
             flags |= os.O_DIRECT
         try:
-            fd = os.open(entry.path, flags, 0o644)
+            fd = syscalls.open_fd(entry.path, flags, 0o644)
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 raise _DirectRefused() from e

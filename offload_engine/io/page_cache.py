@@ -13,6 +13,9 @@ import os
 
 import numpy as np
 
+from . import syscalls
+from .errors import FileIOError
+
 
 def evict_and_check(paths) -> int:
     """``evict`` then ``resident_bytes``: what is still cached (should be 0)."""
@@ -29,9 +32,9 @@ def evict(paths) -> None:
             for root, _dirs, files in os.walk(path):
                 evict(os.path.join(root, f) for f in files)
             continue
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = syscalls.open_fd(path, os.O_RDONLY | syscalls.CLOEXEC)
         try:
-            os.fdatasync(fd)
+            syscalls.fdatasync(fd, path)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -57,7 +60,7 @@ def resident_bytes(paths) -> int:
         size = os.path.getsize(path)
         if not size:
             continue
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = syscalls.open_fd(path, os.O_RDONLY | syscalls.CLOEXEC)
         try:
             addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
@@ -75,11 +78,21 @@ def resident_bytes(paths) -> int:
 
 
 def sync_tree(path: str) -> None:
-    """fdatasync every file under ``path`` and fsync every directory in it."""
+    """fdatasync every file under ``path`` and fsync every directory in it. A failure is a
+    FileIOError naming the file (a write the device could not complete surfaces here)."""
     for root, _dirs, files in os.walk(path):
         for name in files + ["."]:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_CLOEXEC)
+            file = os.path.join(root, name)
             try:
-                os.fsync(fd) if name == "." else os.fdatasync(fd)
+                fd = syscalls.open_fd(file, os.O_RDONLY | syscalls.CLOEXEC)
+            except OSError as e:
+                raise FileIOError(e.errno, "open", file) from e
+            try:
+                if name == ".":
+                    syscalls.fsync(fd, file)
+                else:
+                    syscalls.fdatasync(fd, file)
+            except OSError as e:
+                raise FileIOError(e.errno, "fsync", file) from e
             finally:
                 os.close(fd)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import sys
 import threading
 from typing import Iterable
@@ -28,7 +27,7 @@ import numpy as np
 
 from .. import dtypes
 from ..dtypes import DType
-from ..io import AsyncFileIO, FileIOError, IOFuture, PooledBuffer, TruncatedFileError
+from ..io import AsyncFileIO, FileIOError, IOFuture, PooledBuffer, TruncatedFileError, syscalls
 from ..io.align import as_byte_view
 from ..units import PAGE, MiB
 from .fill_values import bytes_to_scalar, fill_pattern
@@ -114,16 +113,21 @@ class FlatArray:
         if not isinstance(dimension_name, str) or not dimension_name:
             raise ValueError(f"array {path}: dimension_name must be a non-empty string, "
                              f"got {dimension_name!r}")
-        _prepare_directory(path, io, overwrite)
+        made = _prepare_directory(path, io, overwrite)
         doc = new_array_doc(numel, element, chunk_bytes // element.itemsize, attributes,
                             dimension_name)
-        os.makedirs(os.path.join(path, "c"), exist_ok=True)
-        write_json_atomic(metadata_path(path), doc)
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
-        array = cls(parse_array(path, doc), io, "r+")
-        if preallocate:
-            for i in range(array.nchunks):
-                io.preallocate(array.chunk_path(i), array.chunk_bytes)
+        try:
+            _makedirs(os.path.join(path, "c"))
+            write_json_atomic(metadata_path(path), doc)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+            array = cls(parse_array(path, doc), io, "r+")
+            if preallocate:
+                for i in range(array.nchunks):
+                    io.preallocate(array.chunk_path(i), array.chunk_bytes)
+        except BaseException:
+            # a failed create (a full disk) leaves nothing behind, so that it can be retried
+            _undo_create(path, io, made)
+            raise
         return array
 
     @classmethod
@@ -438,17 +442,35 @@ class FlatArray:
             if self.chunk_state(chunk, "write"):
                 return False
             path = self.chunk_path(chunk)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._io.preallocate(path, self.chunk_bytes)
+            _makedirs(os.path.dirname(path))
+            try:
+                self._io.preallocate(path, self.chunk_bytes)
+                if any(self._meta.fill_bytes):
+                    # Only foreign arrays have a non-zero fill; the untouched rest of the
+                    # chunk must read as that fill, not as preallocated zeros.
+                    pattern = bytearray(self.chunk_bytes)
+                    fill_pattern(memoryview(pattern), self._meta.fill_bytes)
+                    self._io.write(path, 0, pattern).result()
+            except BaseException:
+                # The chunk was absent and must stay so: a short file left by a failed
+                # fallocate would read as a truncated chunk (or, tracked, as present).
+                self._remove_new_chunk(path)
+                raise
             if self._present is not None:
                 self._present.add(chunk)
-            if any(self._meta.fill_bytes):
-                # Only foreign arrays have a non-zero fill; the untouched rest of the chunk
-                # must read as that fill, not as preallocated zeros.
-                pattern = bytearray(self.chunk_bytes)
-                fill_pattern(memoryview(pattern), self._meta.fill_bytes)
-                self._io.write(path, 0, pattern).result()
             return True
+
+    def _remove_new_chunk(self, path: str) -> None:
+        """Remove the file a failed ``_ensure_chunk`` created at ``path`` (a striped chunk's
+        link stays; its target goes), after closing cached descriptors of it, which would
+        otherwise go on writing to the removed file."""
+        self._io.forget(path)
+        try:
+            syscalls.unlink(os.path.realpath(path))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass  # best effort; the error that matters is the one being raised
 
     def _slow_read(self, start: int, stop: int, view: memoryview) -> IOFuture:
         """Read through zarr-python (compressed, sharded, big-endian arrays)."""
@@ -484,11 +506,34 @@ def _count(value, name: str, path: str) -> int:
     return int(value)
 
 
-def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> None:
-    """Make ``path`` ready for a new array: absent or empty, or (overwrite) an old array removed."""
+def _makedirs(path: str) -> None:
+    try:
+        syscalls.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise FileIOError(e.errno, "mkdir", path) from e
+
+
+def _undo_create(path: str, io: AsyncFileIO, made: bool) -> None:
+    """Best effort: remove what a failed ``FlatArray.create`` made at ``path`` (the whole
+    directory if it made it, else its zarr.json and chunk folder)."""
+    chunks = os.path.join(path, "c")
+    if os.path.isdir(chunks):
+        for name in os.listdir(chunks):
+            io.forget(os.path.join(chunks, name))
+    for remove, target in ([(syscalls.rmtree, path)] if made else
+                           [(syscalls.rmtree, chunks), (syscalls.unlink, metadata_path(path))]):
+        try:
+            remove(target)
+        except OSError:
+            pass  # the error that matters is the one being raised
+
+
+def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> bool:
+    """Make ``path`` ready for a new array: absent or empty, or (overwrite) an old array
+    removed. Returns whether it made the directory."""
     if not os.path.exists(path):
-        os.makedirs(path)
-        return
+        _makedirs(path)
+        return True
     if not os.path.isdir(path):
         raise FileExistsError(f"cannot create array at {path}: a file is in the way")
     if os.path.exists(metadata_path(path)):
@@ -503,12 +548,17 @@ def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> None:
                                   f"can replace ({e})") from None
         for chunk in old_chunks:
             io.forget(chunk)  # a cached descriptor would keep writing to the deleted file
-        shutil.rmtree(path)
-        os.makedirs(path)
-        return
+        try:
+            syscalls.rmtree(path)
+        except OSError as e:
+            raise FileIOError(e.errno, "remove", path,
+                              detail=f"{e.strerror} (removing the array to overwrite)") from e
+        _makedirs(path)
+        return True
     if os.listdir(path):
         raise FileExistsError(f"cannot create array at {path}: the directory is not empty "
                               f"and holds no zarr.json")
+    return False
 
 
 __all__ = ["ChunkSizeError", "DEFAULT_CHUNK_BYTES", "FlatArray", "ForeignArrayError",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from ..io import syscalls
+from ..io.errors import FileIOError
 from .metadata import (MetadataError, NodeNotFoundError, compact_json, metadata_path, parse_node,
                        read_node, read_node_bytes, write_text_atomic)
 from .metadata_crc import SEAL_KEY, check_crc32c, check_seal, seal, unsealed_attributes
@@ -58,7 +60,10 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
             write_group_attributes(path, attributes, sealed=sealed)
         return
     text = _group_text(group_doc(attributes or {}), path, sealed)  # checked before any mkdir
-    os.makedirs(path, exist_ok=True)
+    try:
+        syscalls.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise FileIOError(e.errno, "mkdir", path) from e
     write_text_atomic(metadata_path(path), text)
 
 

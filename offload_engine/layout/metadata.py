@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from .. import dtypes
 from ..dtypes import DType
+from ..io import syscalls
+from ..io.errors import FileIOError
 from ..units import PAGE  # chunk files of our arrays are a whole number of pages (O_DIRECT)
 from .fill_values import default_fill_json, fill_to_bytes
 from .metadata_crc import check_crc32c
@@ -69,8 +71,7 @@ def read_node_bytes(node_path: str | os.PathLike, kind: str = "node") -> tuple[s
     """``(path of zarr.json, its bytes)``; NodeNotFoundError or MetadataError naming it."""
     file = metadata_path(node_path)
     try:
-        with open(file, "rb") as f:
-            return file, f.read()
+        return file, syscalls.read_all(file)
     except FileNotFoundError:
         where = "does not exist" if not os.path.exists(node_path) else "has no zarr.json"
         raise NodeNotFoundError(f"no zarr {kind} at {os.fspath(node_path)!r}: the directory "
@@ -126,40 +127,74 @@ def compact_json(doc) -> str:
 
 @contextlib.contextmanager
 def replacing(file: str | os.PathLike):
-    """Yield a temporary path next to ``file``; when the block ends without an error, rename
-    it over ``file`` and fsync the directory so the rename itself survives a crash. On an
-    error the temporary file is removed and ``file`` is untouched. Writers fsync the
-    temporary file themselves (they know when its bytes are complete)."""
+    """Yield the path of a new, empty temporary file next to ``file``; when the block ends
+    without an error, rename it over ``file`` and fsync the directory so the rename itself
+    survives a crash. On an error the temporary file is removed and ``file`` is untouched.
+    Writers fsync the temporary file themselves (they know when its bytes are complete).
+
+    The temporary file is created here under a new random name, exclusively and never
+    through a symlink (O_EXCL | O_NOFOLLOW), so writers open a regular file of ours. A
+    failure of this function's own calls is a FileIOError naming ``file``."""
     file = os.fspath(file)
     directory = os.path.dirname(os.path.abspath(file))
     tmp = os.path.join(directory, f".{os.path.basename(file)}.{uuid.uuid4().hex}.tmp")
     try:
+        try:
+            os.close(syscalls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                                      | syscalls.NOFOLLOW | syscalls.CLOEXEC, 0o644))
+        except OSError as e:
+            raise FileIOError(e.errno, "create", file,
+                              detail=f"{e.strerror} (its temporary file {tmp})") from e
         yield tmp
-        os.replace(tmp, file)
+        try:
+            syscalls.replace(tmp, file)
+        except OSError as e:
+            raise FileIOError(e.errno, "rename", file,
+                              detail=f"{e.strerror} (renaming {tmp} over it)") from e
     except BaseException:
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+            syscalls.unlink(tmp)
+        except OSError:
+            pass  # best effort: a hidden temporary file, and the error that matters is raised
         raise
     fsync_dir(directory)
 
 
 def write_text_atomic(file: str | os.PathLike, text: str) -> None:
-    """Replace ``file`` with ``text``: a temporary file in the same directory, fsynced,
-    renamed over ``file``, and the directory fsynced."""
+    """Replace ``file`` with ``text`` (UTF-8): a temporary file in the same directory,
+    fsynced, renamed over ``file``, and the directory fsynced. Any failure (a full disk
+    included) is a FileIOError naming ``file``; ``file`` is then untouched."""
+    data = text.encode("utf-8")
     with replacing(file) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        op = "open"
+        try:
+            fd = syscalls.open_fd(tmp, os.O_WRONLY | syscalls.NOFOLLOW | syscalls.CLOEXEC)
+            try:
+                op = "write"
+                syscalls.write_all(fd, data, tmp)
+                op = "fsync"
+                syscalls.fsync(fd, tmp)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            whole = op == "write"
+            raise FileIOError(e.errno, op, file, 0 if whole else None,
+                              len(data) if whole else None) from e
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
-    """fsync a directory so entries created or renamed in it are durable."""
-    fd = os.open(os.fspath(directory), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    """fsync a directory so entries created or renamed in it are durable; a failure is a
+    FileIOError naming it."""
+    directory = os.fspath(directory)
     try:
-        os.fsync(fd)
+        fd = syscalls.open_fd(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                              | syscalls.CLOEXEC)
+    except OSError as e:
+        raise FileIOError(e.errno, "open", directory) from e
+    try:
+        syscalls.fsync(fd, directory)
+    except OSError as e:
+        raise FileIOError(e.errno, "fsync", directory) from e
     finally:
         os.close(fd)
 

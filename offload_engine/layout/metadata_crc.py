@@ -25,13 +25,14 @@ import re
 
 import google_crc32c
 
+from ..io import syscalls
+
 from .checksums import ChecksumError, mismatch
 
 SEAL_KEY = "manifest_crc32c"
 METADATA_KEY = "metadata_checksums"
 _PLACEHOLDER = "0" * 8
 _SEAL_TAIL = re.compile(rb'"manifest_crc32c":"([0-9a-f]{8})"}}\n\Z')
-PIECE = 8 << 20  # bytes read at a time from a large shard table
 
 
 def crc32c_of(data: bytes) -> int:
@@ -40,15 +41,9 @@ def crc32c_of(data: bytes) -> int:
 
 
 def file_crc32c(path: str) -> int:
-    """CRC-32C of the whole file at ``path``, read in pieces (a shard table of a large
-    model is megabytes)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            piece = f.read(PIECE)
-            if not piece:
-                return crc
-            crc = google_crc32c.extend(crc, piece)
+    """CRC-32C of the whole file at ``path`` (a metadata file: a shard table of a large
+    model is megabytes), read through ``io.syscalls`` as every file of ours is."""
+    return crc32c_of(syscalls.read_all(path))
 
 
 def check_crc32c(data: bytes, expected: int, file: str) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from ..io import syscalls
+from ..io.errors import FileIOError
 from .flat_array import FlatArray
 
 
@@ -40,12 +42,16 @@ def stripe_chunks(flat: FlatArray, array_name: str, stripe_dirs: list[str]) -> N
             continue
         link = flat.chunk_path(chunk)
         target = striped_chunk_path(stripe_dirs[stripe], array_name, chunk)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.makedirs(os.path.dirname(link), exist_ok=True)
-        if not os.path.islink(link):
-            if os.path.exists(link):  # a plain chunk from an unstriped run: keep it there
-                continue
-            os.symlink(target, link)
+        try:
+            for directory in (os.path.dirname(target), os.path.dirname(link)):
+                syscalls.makedirs(directory, exist_ok=True)
+            if not os.path.islink(link):
+                if os.path.exists(link):  # a plain chunk from an unstriped run: keep it there
+                    continue
+                syscalls.symlink(target, link)
+        except OSError as e:
+            raise FileIOError(e.errno, "link", link,
+                              detail=f"{e.strerror} (striping chunk {chunk} to {target})") from e
 
 
 __all__ = ["stripe_chunks", "stripe_index", "striped_chunk_path"]

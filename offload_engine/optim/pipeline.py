@@ -57,6 +57,7 @@ class StepContext:
         self.params_flat = params_flat
         self.grads_flat = grads_flat
         self.steps = steps            # AdamW parameter -> step count (already incremented)
+        self.lent: dict[int, object] = {}  # handles acquired and not yet released, by id
         self.comm_wait_s = 0.0
         self.ns_s = 0.0
 
@@ -76,14 +77,30 @@ class StepRunner:
         if ctx.reverse:
             names = names[::-1]
         res = self.res
-        return {n: res.store.acquire(res.array_name(n), row.buckets[n], device=res.device)
-                for n in names}
+        handles = {}
+        for n in names:  # one at a time: a failed acquire leaves the others in ctx.lent
+            h = handles[n] = res.store.acquire(res.array_name(n), row.buckets[n],
+                                               device=res.device)
+            ctx.lent[id(h)] = h
+        return handles
 
     def _release(self, ctx, row, name, handle, dirty: bool) -> None:
         """This row is done with ``name``'s bucket (``handle`` None: it skipped it)."""
         item = None if handle is None else (handle, dirty)
         for h, d in ctx.leases.done((name, row.buckets[name]), item):
             self.res.store.release(h, dirty=d)
+            ctx.lent.pop(id(h), None)
+
+    def give_back(self, ctx) -> None:
+        """After a step failed part way (an I/O error in an acquire): release every handle
+        it still holds, as dirty, since the step may have changed their bytes already, so
+        that nothing of it is lost and the store has its buckets back for the next step."""
+        lent, ctx.lent = list(ctx.lent.values()), {}
+        for h in lent:
+            try:
+                self.res.store.release(h, dirty=True)
+            except Exception:  # a store already closed: nothing left to give back to
+                pass
 
     def _grad(self, ctx, seg, master: bool):
         g = ctx.grads_flat[seg.param][seg.lo:seg.hi]

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..io import syscalls
 from ..layout.manifest import rank_group, write_shard_table
 from ..store import StoreConfig, TieredStore
 from ..store.geometry import array_pool_bytes
@@ -238,8 +239,26 @@ class ZeroMuon(torch.optim.Optimizer):
         except Exception:
             self._release_pinned()
             if self._own_store:
-                self.store.close()
+                try:
+                    self.store.close()
+                except Exception:  # the error that matters is the one being raised
+                    pass
+                self._remove_new_arrays(cfg)
             raise
+
+    def _remove_new_arrays(self, cfg: StoreConfig) -> None:
+        """After a failed construction (a full disk while registering, say): remove the
+        state arrays it created, which hold nothing yet, so that a second attempt on the
+        same directory is not refused as "state from an earlier run". None existed before
+        (``_open_store`` checked), so everything there is this construction's."""
+        for p in cfg.nvme_paths:
+            for name in self.layout.arrays:
+                path = os.path.join(p, self.prefix + name)
+                if os.path.isdir(path):
+                    try:
+                        syscalls.rmtree(path)
+                    except OSError:
+                        pass  # best effort: the error that matters is the one being raised
 
     def _check_budget(self, cfg: StoreConfig, total: int) -> int:
         """Raise if the pool cannot hold what a step needs; return the bytes left over."""
@@ -309,13 +328,20 @@ class ZeroMuon(torch.optim.Optimizer):
                           Leases(self.layout.uses()))
         pipe = MuonPipeline(self._runner, ctx)
         bundles = self.layout.bundles[::-1] if reverse else self.layout.bundles
-        for bundle in bundles:
-            if bundle.kind == "muon":
-                pipe.push(bundle)
-            else:
-                self._runner.adamw_bundle(bundle, ctx)
-                pipe.advance()
-        pipe.drain()
+        try:
+            for bundle in bundles:
+                if bundle.kind == "muon":
+                    pipe.push(bundle)
+                else:
+                    self._runner.adamw_bundle(bundle, ctx)
+                    pipe.advance()
+            pipe.drain()
+        except BaseException:
+            # an I/O error (a full disk) ended the step part way: the state and parameters
+            # are partly updated, as after any failed in-place step, but no bucket stays
+            # lent, so the next step, a flush or a close still work (docs/optimizer.md)
+            self._runner.give_back(ctx)
+            raise
         assert ctx.leases.pending() == 0, "a shared bucket was not released"
         self._initialized |= active
 
@@ -364,9 +390,15 @@ class ZeroMuon(torch.optim.Optimizer):
         if getattr(self, "store", None) is not None:
             self._release_pinned()
         if getattr(self, "_own_store", False) and self.store is not None:
-            if self.store.root is not None:
-                self.store.update_manifest({"step": self._steps_done})
-            self.store.close()
+            store = self.store
+            try:
+                if store.root is not None:
+                    store.update_manifest({"step": self._steps_done})
+            finally:  # a manifest that cannot be written (a full disk) still closes the store
+                try:
+                    store.close()
+                finally:
+                    self.store = None
         self.store = None if getattr(self, "_own_store", False) else getattr(self, "store", None)
 
     def __enter__(self) -> "ZeroMuon":

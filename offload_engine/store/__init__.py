@@ -6,13 +6,16 @@ Importing the package imports only its configuration schema (pydantic): the plan
 
 from .config import StoreConfig
 
-__all__ = ["Handle", "StoreConfig", "StoreLockedError", "StoreStats", "TieredStore"]
+__all__ = ["BucketIOError", "Handle", "LockFileError", "StoreConfig", "StoreLockedError",
+           "StoreStats", "TieredStore"]
 
 # name -> the module that defines it, imported when the name is first asked for
 _LAZY = {
     "Handle": "tiered_store",
     "TieredStore": "tiered_store",
     "StoreLockedError": "lock",
+    "LockFileError": "lock",
+    "BucketIOError": "errors",
     "StoreStats": "counters",
 }
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..io import AsyncFileIO, BufferPool, IOFuture, PoolExhaustedError
+from ..io import AsyncFileIO, BufferPool, FileIOError, IOFuture, PoolExhaustedError, syscalls
 from .. import dtypes
 from ..layout import FlatArray
 from ..layout.store_group import STORE_KEYS, open_store_group, store_array_entry, write_store_group
@@ -36,6 +36,7 @@ from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .completions import CompletionQueue
 from .config import StoreConfig
+from .errors import for_bucket
 from .lock import WriteLock
 from .policy import Credit, ResidencyPolicy
 from .snapshot import Snapshot
@@ -44,6 +45,7 @@ from .counters import StatsCounter, StoreStats
 log = logging.getLogger(__name__)
 
 _THREAD_JOIN_S = 60  # seconds close() waits for each of the store's threads to end
+_KEPT_ERRORS = 16     # write-back errors kept for flush() and acquire() to raise
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
 
@@ -87,8 +89,11 @@ class TieredStore:
         self._stripes = [os.path.abspath(p) for p in cfg.nvme_paths]
         self._locks = []
         for d in self._stripes:
-            os.makedirs(d, exist_ok=True)
             try:
+                try:
+                    syscalls.makedirs(d, exist_ok=True)
+                except OSError as e:
+                    raise FileIOError(e.errno, "mkdir", d) from e
                 self._locks.append(WriteLock(d))
             except Exception:
                 self._release_locks()
@@ -162,9 +167,10 @@ class TieredStore:
                                           pinned_home=home in ("cpu", "gpu")))
             if home == "nvme":
                 arr.flat = self._open_or_create(arr)
+                # the manifest first: an array it does not list is not registered, so a
+                # failed write (a full disk) can be retried by registering again
+                self._write_manifest({**self._arrays, name: arr}, self._manifest_extra)
             self._arrays[name] = arr
-            if home == "nvme":
-                self._write_manifest()
             return arr
 
     def _choose_home(self, name: str, home: str | None, nbytes: int) -> str:
@@ -216,11 +222,13 @@ class TieredStore:
             b.on_disk = any(c in present for c in range(b.start // ce, -(-b.stop // ce)))
         return flat
 
-    def _write_manifest(self) -> None:
-        arrays = {a.name: store_array_entry(dtypes.dtype(a.dtype).name, a.numel, a.home,
-                                            a.bucket_elems)
-                  for a in self._arrays.values() if a.home == "nvme"}
-        write_store_group(self.root, arrays, self._stripes, self._manifest_extra)
+    def _write_manifest(self, arrays: dict, extra: dict) -> None:
+        """Rewrite the store group's manifest for ``arrays`` (name -> _Array) and the entries
+        ``extra`` of the layers above; the caller records them once this returned."""
+        entries = {a.name: store_array_entry(dtypes.dtype(a.dtype).name, a.numel, a.home,
+                                             a.bucket_elems)
+                   for a in arrays.values() if a.home == "nvme"}
+        write_store_group(self.root, entries, self._stripes, extra)
 
     def update_manifest(self, entries: dict) -> None:
         """Merge ``entries`` (JSON-serialisable) into the store's manifest (the group
@@ -230,9 +238,10 @@ class TieredStore:
         if reserved:
             raise ValueError(f"manifest keys {sorted(reserved)} belong to the store")
         with self._lock:
-            self._manifest_extra.update(entries)
+            extra = {**self._manifest_extra, **entries}
             if self.root is not None:
-                self._write_manifest()
+                self._write_manifest(self._arrays, extra)
+            self._manifest_extra = extra  # only once written: a failed write changes nothing
 
     def bucket_ranges(self, name: str) -> list[tuple[int, int]]:
         """The [start, stop) element ranges of ``name``'s buckets, in order."""
@@ -373,6 +382,7 @@ class TieredStore:
         deadline = time.monotonic() + self.config.acquire_timeout_s
         waited = False
         counted = False
+        retried = False
         while True:
             if b.error is not None:
                 err, b.error = b.error, None
@@ -388,8 +398,14 @@ class TieredStore:
                         self._stats.current.misses += 1
                         counted = True
                     continue
-                if status == "none" and self._write_errors:
-                    raise self._write_errors[0]
+                if status == "none" and any(r.write_failed for r in self._resident):
+                    # no victim but buckets whose write-back failed: write them once more
+                    # (the disk may have room again); if that fails too, say why
+                    if not retried:
+                        self._retry_failed_writes()
+                        retried = True
+                        continue
+                    raise self._write_errors[-1]
             elif b.state == WRITING:
                 self._policy.writebacks.keep(b.key)  # needed again: keep it once the write lands
             elif b.state == READING and not counted:
@@ -447,7 +463,11 @@ class TieredStore:
         with self._lock:
             err = fut.exception()
             if err is not None:
-                b.error = err
+                err = for_bucket("read", b, err)
+                if b.refs:  # an acquire waits for these bytes: it raises the error
+                    b.error = err
+                else:  # a read ahead nobody waits for: the acquire that needs it reads again
+                    log.warning("%s (read again when needed)", err)
                 self._drop(b, count=False)
             else:
                 b.state = RESIDENT
@@ -473,6 +493,18 @@ class TieredStore:
                 self._start_write(victim, evict_after=True)
                 return None, "pending"
             self._drop(victim)
+
+    def _retry_failed_writes(self, evict_after: bool = True) -> None:
+        """Start writing again every unheld bucket whose write-back failed (evicted once
+        written with ``evict_after``). The outcome reaches ``_write_done`` like any
+        write-back's: on success the room they free lets a waiting fill go on."""
+        for r in [r for r in self._resident
+                  if r.write_failed and r.state == RESIDENT and not r.refs]:
+            r.write_failed = False
+            if r.dirty:
+                self._start_write(r, evict_after=evict_after)
+            else:
+                self._update_candidate(r)
 
     def _settle_h2d(self, b: Bucket) -> None:
         """Wait until a copy of ``b``'s pinned bytes to the GPU has read them (before the
@@ -531,11 +563,12 @@ class TieredStore:
             evict = self._policy.writebacks.finish(b.key) and b.refs == 0
             err = fut.exception()
             if err is not None:
-                log.error("write-back of %s bucket %d failed: %s", b.array.name, b.index, err)
+                err = for_bucket("write-back", b, err)
+                log.error("%s", err)
                 b.dirty = True  # the bytes are still here: nothing is lost
-                b.write_failed = True
+                b.write_failed = True  # not a victim until written (flush, or a retry)
                 b.state = RESIDENT
-                self._write_errors.append(err)
+                self._write_errors = self._write_errors[-(_KEPT_ERRORS - 1):] + [err]
             else:
                 b.on_disk = True
                 self._stats.current.bytes_written["nvme"] += b.nbytes
@@ -629,6 +662,9 @@ class TieredStore:
         the schedule from the second step on (None is returned while recording).
         """
         with self._lock:
+            # write-backs that failed (a full disk) are tried again once per step, so their
+            # bytes reach the disk as soon as it has room, with no flush() needed
+            self._retry_failed_writes(evict_after=False)
             order = self._policy.begin_step()
             if order is None:
                 return None
@@ -723,14 +759,19 @@ class TieredStore:
         it itself and lets it go here."""
         snap = self._snapshot
         try:
-            if b.array.home == "gpu":
-                tensor = self.gpu.view(b.gpu_offset, b.nbytes, b.array.dtype)
+            try:
+                if b.array.home == "gpu":
+                    tensor = self.gpu.view(b.gpu_offset, b.nbytes, b.array.dtype)
+                else:
+                    event = b.d2h_event  # read once: a write-back may take it meanwhile
+                    if event is not None:
+                        event.synchronize()
+                    tensor = b.host_view(b.array.dtype)
+            except BaseException as e:  # the claimed bucket must settle, or wait() never ends
+                snap.fail(e)
+                snap.settle(1)
             else:
-                event = b.d2h_event  # read once: a write-back may take it meanwhile
-                if event is not None:
-                    event.synchronize()
-                tensor = b.host_view(b.array.dtype)
-            snap.copy(b, tensor, inline)
+                snap.copy(b, tensor, inline)
         finally:
             with self._lock:
                 b.saving = False

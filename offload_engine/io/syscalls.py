@@ -1,0 +1,119 @@
+"""The file system calls of the store and of checkpoint saving, in one place.
+
+Each function is the ``os`` call it is named after, preceded by ``faults.point`` (test-only
+fault injection, io/faults.py; one global read when disarmed). The modules of io/,
+layout/, store/ and checkpoint/ that write (or read what they wrote) call these instead
+of ``os``, so a test can make any one of their calls fail the way a full disk or a failing
+device would (tests/test_fault_injection.py checks that no direct call is left).
+Calls on a descriptor take the file's path too, for the fault plan to match it by.
+
+Errors are the ``OSError`` of the call; the callers turn them into errors that say what
+they were doing (``FileIOError``: operation, file, offset, errno).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from .faults import point
+
+# O_NOFOLLOW where the platform has it: files we create under fixed names must not be
+# symlinks planted by someone else (we would write through them)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def open_fd(path: str, flags: int, mode: int = 0o644) -> int:
+    """``os.open``; a call that may create the file counts as an "open" that can fail."""
+    point("open", path)
+    return os.open(path, flags, mode)
+
+
+def pwritev(fd: int, buffers, offset: int, path: str) -> int:
+    point("write", path)
+    return os.pwritev(fd, buffers, offset)
+
+
+def preadv(fd: int, buffers, offset: int, path: str) -> int:
+    point("read", path)
+    return os.preadv(fd, buffers, offset)
+
+
+def pwrite(fd: int, data: bytes, offset: int, path: str) -> int:
+    point("write", path)
+    return os.pwrite(fd, data, offset)
+
+
+def write_all(fd: int, data: bytes, path: str) -> None:
+    """Write every byte of ``data`` at the descriptor's position (short writes continue)."""
+    view = memoryview(data)
+    while view:
+        point("write", path)
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def read_all(path: str, limit: int | None = None, flags: int = 0) -> bytes:
+    """The bytes of file ``path`` (at most ``limit`` + 1 when given, so the caller can tell
+    a file over its limit); ``flags`` are added to the open's (``NOFOLLOW``). Opened with
+    the builtin ``open`` (an opener adds the flags), which is what tests that watch the
+    files a command reads spy on."""
+    point("open", path)
+    with open(path, "rb", opener=lambda p, f: os.open(p, f | CLOEXEC | flags)) as f:
+        point("read", path)
+        return f.read() if limit is None else f.read(limit + 1)
+
+
+def fsync(fd: int, path: str) -> None:
+    point("sync", path)
+    os.fsync(fd)
+
+
+def fdatasync(fd: int, path: str) -> None:
+    point("sync", path)
+    os.fdatasync(fd)
+
+
+def fallocate(fd: int, offset: int, length: int, path: str) -> None:
+    """``os.posix_fallocate``: reserve ``length`` bytes from ``offset``."""
+    point("allocate", path)
+    os.posix_fallocate(fd, offset, length)
+
+
+def ftruncate(fd: int, length: int, path: str) -> None:
+    point("truncate", path)
+    os.ftruncate(fd, length)
+
+
+def replace(src: str, dst: str) -> None:
+    point("rename", dst)
+    os.replace(src, dst)
+
+
+def rename(src: str, dst: str) -> None:
+    point("rename", dst)
+    os.rename(src, dst)
+
+
+def makedirs(path: str, exist_ok: bool = False) -> None:
+    """``os.makedirs``; a directory already there (with ``exist_ok``) makes no call."""
+    if exist_ok and os.path.isdir(path):
+        return
+    point("mkdir", path)
+    os.makedirs(path, exist_ok=exist_ok)
+
+
+def unlink(path: str) -> None:
+    point("remove", path)
+    os.unlink(path)
+
+
+def rmtree(path: str) -> None:
+    point("remove", path)
+    shutil.rmtree(path)
+
+
+def symlink(target: str, link: str) -> None:
+    point("link", link)
+    os.symlink(target, link)
