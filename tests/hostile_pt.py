@@ -208,6 +208,20 @@ def _shape_cpu(path: str, dims: int = 200_000) -> None:
     write_pt(path, pkl(body))
 
 
+def _set_of_memo_list(path: str, items: int = 100_000, copies: int = 1000) -> None:
+    # one list of 100,000 ints kept in the memo, then set(list) 1000 times: 6 bytes of
+    # pickle each, 4 MB of set each
+    body = (b"]" + b"q\x00" + b"(" + b"".join(integer(1000 + i) for i in range(items)) + b"e"
+            + b"]" + b"(" + glob("builtins", "set") + b"q\x01" + b"0"
+            + (b"h\x01" + b"h\x00" + b"\x85" + b"R") * copies + b"e" + b"\x86")
+    write_pt(path, pkl(body))
+
+
+def _deep_tuple(path: str, depth: int = 1_000_000) -> None:
+    # a tuple nested a million deep used as a dict key: hashing it recurses in C
+    write_pt(path, pkl(b"}" + b")" + b"\x85" * depth + b"N" + b"s"))
+
+
 PAYLOADS = {
     # the two
     "deflated_data_pkl": lambda path: write_deflated_bomb(path, 4300 << 20),
@@ -224,6 +238,8 @@ PAYLOADS = {
     # cheap opcodes that each build a large object
     "empty_sets": _empty_sets,
     "inert_classes": _inert_classes,
+    "set_of_memo_list": _set_of_memo_list,
+    "deep_tuple": _deep_tuple,
     # zip directories
     "many_zip_entries": lambda path: write_many_entries(path, 2_000_000),
     # forged tensor metadata
