@@ -110,3 +110,16 @@ def test_real_fixtures_fit_the_budget():
                 u = RestrictedUnpickler(data, path)
                 u.load()
                 assert u.charged < pt_limits.MAX_UNPICKLE_BYTES / 100
+
+
+def test_zip_of_unknown_version_is_a_checkpoint_file_error(tmp_path):
+    # found by tests/fuzz_readers.py: zipfile raises NotImplementedError for a central
+    # directory entry that needs a zip version it does not know
+    path = str(tmp_path / "v.pt")
+    H.write_pt(path, H.pkl(b"N"))
+    raw = bytearray(open(path, "rb").read())
+    at = raw.find(b"PK\x01\x02")
+    raw[at + 6:at + 8] = struct.pack("<H", 64)  # version needed to extract: 6.4
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(CheckpointFileError, match=r"v\.pt: not a readable torch checkpoint"):
+        load_pt(path)

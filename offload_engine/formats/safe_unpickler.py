@@ -145,10 +145,10 @@ class Inert:
 
     def __repr__(self):
         # bounded: args may be a pickle's million-item list, repeated through the memo
-        return f"<{type(self).qualname} stand-in args={_short(self.args)} state={_short(self.state)}>"
+        return f"<{type(self).qualname} stand-in args={short_repr(self.args)} state={short_repr(self.state)}>"
 
 
-def _short(obj) -> str:
+def short_repr(obj) -> str:
     """A repr of at most a few hundred characters, whatever ``obj`` holds."""
     return reprlib.repr(obj)
 
@@ -162,14 +162,14 @@ def _inert_class(module: str, name: str) -> type:
 def _extent(value, what: str) -> int:
     """``value`` as a size, stride, offset or element count: an int in [0, MAX_EXTENT]."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limits.MAX_EXTENT:
-        raise pickle.UnpicklingError(f"tensor {what} {_short(value)} is not an integer in "
+        raise pickle.UnpicklingError(f"tensor {what} {short_repr(value)} is not an integer in "
                                      f"[0, 2**63)")
     return value
 
 
 def _extents(values, what: str) -> tuple[int, ...]:
     if not isinstance(values, (tuple, list)) or len(values) > limits.MAX_NDIM:
-        raise pickle.UnpicklingError(f"tensor {what} {_short(values)} is not a tuple of at most "
+        raise pickle.UnpicklingError(f"tensor {what} {short_repr(values)} is not a tuple of at most "
                                      f"{limits.MAX_NDIM} integers")
     return tuple(_extent(v, what) for v in values)
 
@@ -318,12 +318,12 @@ class RestrictedUnpickler(BoundedUnpickler):
     def persistent_load(self, pid):
         # torch.save's format: ('storage', storage_type, key, location, numel)
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {_short(pid)}")
+            raise pickle.UnpicklingError(f"unexpected persistent id {short_repr(pid)}")
         _, marker, key, _location, numel = pid
         if not isinstance(marker, _StorageMarker):
-            raise pickle.UnpicklingError(f"storage of unknown type {_short(marker)}")
+            raise pickle.UnpicklingError(f"storage of unknown type {short_repr(marker)}")
         if not isinstance(key, str) or len(key) > limits.MAX_STORAGE_KEY:
-            raise pickle.UnpicklingError(f"storage key {_short(key)} is not a short string")
+            raise pickle.UnpicklingError(f"storage key {short_repr(key)} is not a short string")
         numel = _extent(numel, "storage size")
         ref = self.storages.get(key)
         if ref is None:
@@ -358,7 +358,7 @@ class RestrictedUnpickler(BoundedUnpickler):
     def _complex(self, real=0, imag=0):
         for part in (real, imag):
             if not isinstance(part, (int, float, str)) or isinstance(part, str) and len(part) > 100:
-                raise pickle.UnpicklingError(f"complex of {_short(part)}")
+                raise pickle.UnpicklingError(f"complex of {short_repr(part)}")
         return complex(real, imag)
 
     def _bytearray(self, source=b"", encoding=None):
@@ -377,9 +377,9 @@ class RestrictedUnpickler(BoundedUnpickler):
         ``ds_id``): rebuild the plain tensor with one of *our* functions, keep the
         attributes as data."""
         if func not in _REBUILD_FUNCS:
-            raise pickle.UnpicklingError(f"_rebuild_from_type_v2 with an unexpected function {_short(func)}")
+            raise pickle.UnpicklingError(f"_rebuild_from_type_v2 with an unexpected function {short_repr(func)}")
         if not isinstance(args, tuple):
-            raise pickle.UnpicklingError(f"_rebuild_from_type_v2 with arguments {_short(args)}")
+            raise pickle.UnpicklingError(f"_rebuild_from_type_v2 with arguments {short_repr(args)}")
         ref = func(*args)
         if isinstance(ref, TensorRef) and isinstance(state, dict) and state:
             self.charge(_ITEM_BYTES * len(state))
@@ -460,7 +460,8 @@ class PtArchive:
                                               f"at most {limits.MAX_RECORDS} are read")
         except FileNotFoundError:
             raise CheckpointFileError(f"{self.path}: file not found") from None
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, ValueError) as e:
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, struct.error,
+                ValueError) as e:
             if isinstance(e, CheckpointFileError):
                 raise
             raise CheckpointFileError(
