@@ -32,7 +32,8 @@ import os
 from ...dtypes import DType
 from ...io.align import as_byte_view
 from ..errors import FormatError
-from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt
+from ..pt_limits import MAX_EXTENT, MAX_NDIM
+from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt, short_repr
 from ..source import ReadRequest, TensorSource, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
 from .partitions import Piece, PartitionError, fragments_layout, zero3_layout, zero12_layout
@@ -46,6 +47,33 @@ def _as_int(value, what: str, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DeepSpeedLayoutError(f"{path}: {what} is {value!r}, expected an integer")
     return value
+
+
+def _shape(value, what: str, path: str) -> tuple[int, ...]:
+    """A shape recorded in the metadata (``param_shapes``, ``frozen_param_shapes``): at most
+    ``pt_limits.MAX_NDIM`` sizes, each an int in [0, 2**63); checked before its product is
+    used (the product of 10,000 huge sizes alone takes minutes)."""
+    if isinstance(value, (tuple, list)) and len(value) <= MAX_NDIM and all(
+            type(d) is int and 0 <= d <= MAX_EXTENT for d in value):
+        return tuple(value)
+    raise DeepSpeedLayoutError(f"{path}: {what} has shape {short_repr(value)}, expected at most "
+                               f"{MAX_NDIM} integers in [0, 2**63)")
+
+
+def _shape_groups(model: PtFile, key: str) -> list[dict[str, tuple[int, ...]]]:
+    """``param_shapes`` (one dict, or a list of them: one per param group) or
+    ``frozen_param_shapes`` (one dict) as a list of {name: shape}, every shape checked."""
+    groups = model.obj.get(key)
+    groups = [groups] if isinstance(groups, dict) else groups
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
+        raise DeepSpeedLayoutError(f"{model.path}: '{key}' is {short_repr(groups)}, expected a dict "
+                                   f"of parameter shapes or a list of them")
+    out = []
+    for g in groups:
+        if not all(isinstance(n, str) for n in g):
+            raise DeepSpeedLayoutError(f"{model.path}: '{key}' has a parameter name that is not a string")
+        out.append({n: _shape(s, f"{key}[{n[:200]!r}]", model.path) for n, s in g.items()})
+    return out
 
 
 def _optimizer_state(pt: PtFile) -> dict:
@@ -215,7 +243,9 @@ class DeepSpeedSource(TensorSource):
         if shapes is None and self.stage <= 2:
             self._add_frozen_from_module(model0)
             return
-        for name, shape in (shapes or {}).items():
+        shapes = {n: shape for g in _shape_groups(self._models[0], "frozen_param_shapes")
+                  for n, shape in g.items()} if shapes is not None else {}
+        for name, shape in shapes.items():
             numel = math.prod(shape)
             refs = {}
             for r, model in enumerate(self._models):  # one file for ZeRO-1/2, one per rank for ZeRO-3
@@ -234,8 +264,7 @@ class DeepSpeedSource(TensorSource):
         """ZeRO-1 checkpoints record no ``frozen_param_shapes`` (zero_to_fp32 then drops
         frozen parameters). Under ZeRO-1/2 the module state dict holds every parameter whole,
         so a frozen one is an entry that is neither trainable, a buffer, nor a tied alias."""
-        groups = model0["param_shapes"]
-        groups = [groups] if isinstance(groups, dict) else groups
+        groups = _shape_groups(self._models[0], "param_shapes")
         skip = {n for g in groups for n in g} | set(model0.get("buffer_names") or []) \
             | set(model0.get("shared_params") or {})
         home = self._models[0]
@@ -246,9 +275,7 @@ class DeepSpeedSource(TensorSource):
                             {"f": (self._model_index(0), ref)}, home)
 
     def _add_trainable(self, model0: dict) -> None:
-        groups = model0["param_shapes"]
-        if isinstance(groups, dict):
-            groups = [groups]
+        groups = _shape_groups(self._models[0], "param_shapes")
         params = [[(n, math.prod(s)) for n, s in g.items()] for g in groups]
         shapes = {n: tuple(int(d) for d in s) for g in groups for n, s in g.items()}
         key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"

@@ -1,0 +1,61 @@
+"""DeepSpeed metadata that declares impossible shapes is refused with DeepSpeedLayoutError
+before its numbers are multiplied or allocated."""
+
+import os
+
+import pytest
+import torch
+
+from offload_engine.formats.deepspeed import DeepSpeedSource
+from offload_engine.formats.deepspeed.files import DeepSpeedLayoutError
+
+
+def _zero2_checkpoint(root, param_shapes, frozen_param_shapes=None, numel=10):
+    """A minimal one-rank ZeRO-2 checkpoint written with torch.save (plain containers)."""
+    tag = os.path.join(root, "global_step1")
+    os.makedirs(tag)
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("global_step1")
+    torch.save({"optimizer_state_dict": {"zero_stage": 2, "partition_count": 1,
+                                         "single_partition_of_fp32_groups": [torch.zeros(numel)],
+                                         "base_optimizer_state": {"state": {}, "param_groups": []}}},
+               os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    model = {"module": {}, "param_shapes": param_shapes, "buffer_names": []}
+    if frozen_param_shapes is not None:
+        model["frozen_param_shapes"] = frozen_param_shapes
+    torch.save(model, os.path.join(tag, "mp_rank_00_model_states.pt"))
+    return root
+
+
+def test_minimal_checkpoint_reads(tmp_path):
+    # the builder makes a readable checkpoint: what the refusals below differ from
+    with DeepSpeedSource(_zero2_checkpoint(str(tmp_path), [{"w": torch.Size([2, 5])}])) as src:
+        assert [(t.name, t.shape) for t in src.tensors()] == [("w", (2, 5))]
+
+
+@pytest.mark.parametrize("shapes, words", [
+    ([{"w": "abc"}], "param_shapes['w'] has shape 'abc'"),
+    ([{"w": [2, -5]}], "param_shapes['w'] has shape [2, -5]"),
+    ([{"w": [2**64]}], "param_shapes['w'] has shape"),
+    ([{"w": [1] * 65}], "expected at most 64 integers"),
+    (7, "'param_shapes' is 7, expected a dict"),
+    ([{3: [10]}], "a parameter name that is not a string"),
+])
+def test_impossible_param_shapes_are_refused(tmp_path, shapes, words):
+    root = _zero2_checkpoint(str(tmp_path), shapes)
+    with pytest.raises(DeepSpeedLayoutError, match="mp_rank_00_model_states.pt: ") as e:
+        DeepSpeedSource(root)
+    assert words in str(e.value)
+
+
+def test_impossible_frozen_param_shapes_are_refused(tmp_path):
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], frozen_param_shapes={"f": "xy"})
+    with pytest.raises(DeepSpeedLayoutError, match=r"frozen_param_shapes\['f'\] has shape 'xy'"):
+        DeepSpeedSource(root)
+
+
+def test_shape_bigger_than_the_partitions_is_refused(tmp_path):
+    # 10**12 elements declared, 10 stored: refused before anything of that size exists
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10**6, 10**6])}])
+    with pytest.raises(DeepSpeedLayoutError, match="partitions do not match the parameter shapes"):
+        DeepSpeedSource(root)
