@@ -26,6 +26,9 @@ from ..source import StateMeta, TensorMeta
 
 FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
 KNOWN_VERSIONS = (MANIFEST_VERSION,)
+# Ranks a manifest may declare: the parser builds a list of the ranks and, per tensor, of
+# its rows per rank, so a forged world_size of 2**31 exhausted memory. Far above any run.
+MAX_WORLD_SIZE = 1 << 17
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
 
 
@@ -129,6 +132,9 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     world = attrs.get("world_size")
     if world is not None:
         world = _int(world, "'world_size'", where, 1)
+        if world > MAX_WORLD_SIZE:
+            raise CheckpointError(f"{where}: 'world_size' is {world}; at most {MAX_WORLD_SIZE} "
+                                  f"ranks are read")
     arrays = _parse_arrays(attrs.get("arrays"), where)
     committed = attrs.get("committed")
     checksums = None
