@@ -28,6 +28,11 @@ from .errors import FormatError
 from .source import TensorSource, SourceInfo, TensorMeta
 
 MAX_HEADER = 100 * 1000 * 1000  # bytes: the safetensors crate's limit
+# Dimensions of one tensor, and a size in one: torch's limits (64 dimensions in its kernels,
+# int64 sizes). Checked before the sizes are multiplied: the product of 100,000 huge sizes
+# alone takes minutes.
+MAX_NDIM = 64
+MAX_DIM = (1 << 63) - 1
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -104,10 +109,12 @@ def read_header(path: str, *, check_data: bool = True
         shape, offs = e.get("shape"), e.get("data_offsets")
         if offs is None and not check_data:
             offs = [0, 0]
-        if (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                or not all(type(s) is int and 0 <= s <= MAX_DIM for s in shape)
                 or not isinstance(offs, list) or len(offs) != 2
                 or not all(type(o) is int for o in offs)):
-            raise FormatError(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
+            raise FormatError(f"{path}: tensor {name!r} has a malformed shape or data_offsets (a "
+                              f"shape is at most {MAX_NDIM} integers in [0, 2**63))")
         begin, end = offs
         if check_data and (end - begin != math.prod(shape) * dt.itemsize or begin < 0
                            or end > data_size):
