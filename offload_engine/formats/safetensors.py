@@ -33,6 +33,19 @@ MAX_HEADER = 100 * 1000 * 1000  # bytes: the safetensors crate's limit
 # alone takes minutes.
 MAX_NDIM = 64
 MAX_DIM = (1 << 63) - 1
+# JSON values (objects, arrays, strings, numbers) in a header or index, counted by their
+# separators before the JSON is parsed: parsing builds a Python object of 30 to 100 bytes
+# for each, so a 100 MB header of `[{},{},...]` built 2.4 GB. A real header of 10,000
+# tensors holds about 100,000; 2,000,000 bound the parse to about 200 MB.
+MAX_JSON_VALUES = 2_000_000
+
+
+def _check_json_size(raw: bytes, where: str) -> None:
+    """Refuse JSON of more than MAX_JSON_VALUES values (an over-estimate: separators inside
+    strings count too), before parsing it."""
+    values = raw.count(b",") + raw.count(b"{") + raw.count(b"[") + 1
+    if values > MAX_JSON_VALUES:
+        raise FormatError(f"{where}: about {values} JSON values; at most {MAX_JSON_VALUES} are read")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -89,6 +102,7 @@ def read_header(path: str, *, check_data: bool = True
         raise FormatError(f"{path}: cannot read: {e.strerror or e}") from None
     if len(raw) < n:
         raise FormatError(f"{path}: header cut short ({len(raw)} of {n} bytes; truncated)")
+    _check_json_size(raw, f"{path}: the header")
     doc = parse_json_object(raw, f"{path}: the header", FormatError)
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
@@ -130,11 +144,14 @@ def read_index(index: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
     ``model.safetensors.index.json``; FormatError naming it (or a missing shard)."""
     try:
         with open(index, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_HEADER + 1)
     except FileNotFoundError:
         raise FormatError(f"{index}: file not found") from None
     except OSError as e:
         raise FormatError(f"{index}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_HEADER:
+        raise FormatError(f"{index}: more than {MAX_HEADER} bytes; not a safetensors index")
+    _check_json_size(raw, index)
     doc = parse_json_object(raw, index, FormatError)
     wm = doc.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
