@@ -10,17 +10,18 @@ from offload_engine.formats.deepspeed import DeepSpeedSource
 from offload_engine.formats.deepspeed.files import DeepSpeedLayoutError
 
 
-def _zero2_checkpoint(root, param_shapes, frozen_param_shapes=None, numel=10):
+def _zero2_checkpoint(root, param_shapes, frozen_param_shapes=None, numel=10, zero_stage=2,
+                      buffer_names=[], module=None):
     """A minimal one-rank ZeRO-2 checkpoint written with torch.save (plain containers)."""
     tag = os.path.join(root, "global_step1")
     os.makedirs(tag)
     with open(os.path.join(root, "latest"), "w") as f:
         f.write("global_step1")
-    torch.save({"optimizer_state_dict": {"zero_stage": 2, "partition_count": 1,
+    torch.save({"optimizer_state_dict": {"zero_stage": zero_stage, "partition_count": 1,
                                          "single_partition_of_fp32_groups": [torch.zeros(numel)],
                                          "base_optimizer_state": {"state": {}, "param_groups": []}}},
                os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    model = {"module": {}, "param_shapes": param_shapes, "buffer_names": []}
+    model = {"module": {} if module is None else module, "param_shapes": param_shapes, "buffer_names": buffer_names}
     if frozen_param_shapes is not None:
         model["frozen_param_shapes"] = frozen_param_shapes
     torch.save(model, os.path.join(tag, "mp_rank_00_model_states.pt"))
@@ -58,4 +59,33 @@ def test_shape_bigger_than_the_partitions_is_refused(tmp_path):
     # 10**12 elements declared, 10 stored: refused before anything of that size exists
     root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10**6, 10**6])}])
     with pytest.raises(DeepSpeedLayoutError, match="partitions do not match the parameter shapes"):
+        DeepSpeedSource(root)
+
+
+BIG = ["x" * 1000] * 100_000  # 3 bytes of pickle per item (memo references); 100 MB as a repr
+
+
+@pytest.mark.parametrize("where", ["zero_stage", "buffer_names"])
+def test_error_messages_do_not_repr_huge_values(tmp_path, where):
+    # an error message quoted the offending value whole: a few MB of pickle referring to one
+    # string many times made a repr of any size (here 100 MB)
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}],
+                             **({"zero_stage": BIG} if where == "zero_stage" else {"buffer_names": [BIG]}))
+    with pytest.raises(DeepSpeedLayoutError) as e:
+        DeepSpeedSource(root)
+    assert len(str(e.value)) < 1000
+
+
+@pytest.mark.parametrize("names", [[["b"]], "buf", [3]])
+def test_buffer_names_not_a_list_of_names_is_refused(tmp_path, names):
+    # a list among the names crashed with TypeError (unhashable) where the module was looked up
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], buffer_names=names)
+    with pytest.raises(DeepSpeedLayoutError, match="'buffer_names' is .*expected a list of names"):
+        DeepSpeedSource(root)
+
+
+def test_module_not_a_dict_is_refused(tmp_path):
+    # a list as 'module' crashed with AttributeError where buffers were looked up
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], buffer_names=["b"], module=[1])
+    with pytest.raises(DeepSpeedLayoutError, match="not a DeepSpeed model states file"):
         DeepSpeedSource(root)

@@ -45,7 +45,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def _as_int(value, what: str, path: str) -> int:
     value = getattr(value, "value", value)  # ZeroStageEnum arrives as an inert stand-in
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DeepSpeedLayoutError(f"{path}: {what} is {value!r}, expected an integer")
+        raise DeepSpeedLayoutError(f"{path}: {what} is {short_repr(value)}, expected an integer")
     return value
 
 
@@ -74,6 +74,25 @@ def _shape_groups(model: PtFile, key: str) -> list[dict[str, tuple[int, ...]]]:
             raise DeepSpeedLayoutError(f"{model.path}: '{key}' has a parameter name that is not a string")
         out.append({n: _shape(s, f"{key}[{n[:200]!r}]", model.path) for n, s in g.items()})
     return out
+
+
+def _buffer_names(model: PtFile) -> list[str]:
+    """``buffer_names``: a list of strings (None: no buffers)."""
+    names = model.obj.get("buffer_names") or []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise DeepSpeedLayoutError(f"{model.path}: 'buffer_names' is {short_repr(names)}, "
+                                   f"expected a list of names")
+    return list(names)
+
+
+def _shared_params(model: PtFile) -> dict[str, str]:
+    """``shared_params``: {alias: owner}, both strings (None: no tied parameters)."""
+    shared = model.obj.get("shared_params") or {}
+    if not isinstance(shared, dict) or not all(
+            isinstance(a, str) and isinstance(o, str) for a, o in shared.items()):
+        raise DeepSpeedLayoutError(f"{model.path}: 'shared_params' is {short_repr(shared)}, "
+                                   f"expected a dict of alias -> owner names")
+    return shared
 
 
 def _optimizer_state(pt: PtFile) -> dict:
@@ -146,10 +165,12 @@ class DeepSpeedSource(TensorSource):
             stage = _as_int(_optimizer_state(pt)["zero_stage"], "zero_stage", pt.path)
             if stage != self.stage:
                 raise DeepSpeedLayoutError(f"{pt.path}: ZeRO stage {stage}, but rank 0 has {self.stage}")
+        for model in self._models:
+            if not isinstance(model.obj, dict) or "param_shapes" not in model.obj \
+                    or not isinstance(model.obj.get("module"), dict):
+                raise DeepSpeedLayoutError(f"{model.path}: not a DeepSpeed model states file "
+                                           f"(no 'param_shapes' / 'module')")
         model0 = self._models[0].obj
-        if not isinstance(model0, dict) or "param_shapes" not in model0 or "module" not in model0:
-            raise DeepSpeedLayoutError(f"{self._models[0].path}: not a DeepSpeed model states file "
-                                       f"(no 'param_shapes' / 'module')")
         self.ds_version = model0.get("ds_version")
         self.global_steps = model0.get("global_steps")
         if model0.get("ds_autoep_layers") or model0.get("autoep_layers"):
@@ -169,7 +190,7 @@ class DeepSpeedSource(TensorSource):
         self._add_frozen(model0)
         self._add_trainable(model0)
         names = {t.name for t in self._tensors}
-        shared = model0.get("shared_params") or {}
+        shared = _shared_params(self._models[0])
         self._aliases = {a: o for a, o in shared.items() if o in names and a not in names}
         # not capped at the file count: the reader cuts long runs into pieces read in parallel
         self._reader = ScatterReader([pt.path for pt in self._files], threads=threads)
@@ -190,7 +211,7 @@ class DeepSpeedSource(TensorSource):
         """Record where ``state`` of tensor ``name`` lies (``pieces`` of the source tensors
         ``refs``: key -> (file index, TensorRef)); returns its dtype and bytes per rank."""
         if (name, state) in self._segments:
-            raise DeepSpeedLayoutError(f"{home.path}: tensor {name!r} is listed twice")
+            raise DeepSpeedLayoutError(f"{home.path}: tensor {short_repr(name)} is listed twice")
         dtypes = {refs[p.src][1].dtype for p in pieces}
         if len(dtypes) > 1:
             raise DeepSpeedLayoutError(f"{home.path}: {name} is stored in mixed dtypes "
@@ -231,10 +252,10 @@ class DeepSpeedSource(TensorSource):
     def _add_buffers(self, model0: dict) -> None:
         module = model0["module"]
         home = self._models[0]
-        for name in model0.get("buffer_names") or []:
+        for name in _buffer_names(home):
             ref = module.get(name)
             if not isinstance(ref, TensorRef):
-                raise DeepSpeedLayoutError(f"{home.path}: buffer {name!r} missing from 'module'")
+                raise DeepSpeedLayoutError(f"{home.path}: buffer {short_repr(name)} missing from 'module'")
             self._add_whole(name, ref.shape, "buffer", [Piece(0, ref.numel, "b", 0)],
                             {"b": (self._model_index(0), ref)}, home)
 
@@ -250,9 +271,9 @@ class DeepSpeedSource(TensorSource):
             refs = {}
             for r, model in enumerate(self._models):  # one file for ZeRO-1/2, one per rank for ZeRO-3
                 frags = model.obj.get("frozen_param_fragments") or {}
-                ref = frags.get(name)
+                ref = frags.get(name) if isinstance(frags, dict) else None
                 if not isinstance(ref, TensorRef):
-                    raise DeepSpeedLayoutError(f"{model.path}: frozen parameter {name!r} has no fragment")
+                    raise DeepSpeedLayoutError(f"{model.path}: frozen parameter {short_repr(name)} has no fragment")
                 refs[r] = (self._model_index(r), ref)
             try:
                 pieces = fragments_layout(numel, [(r, refs[r][1].numel) for r in sorted(refs)])
@@ -265,8 +286,8 @@ class DeepSpeedSource(TensorSource):
         frozen parameters). Under ZeRO-1/2 the module state dict holds every parameter whole,
         so a frozen one is an entry that is neither trainable, a buffer, nor a tied alias."""
         groups = _shape_groups(self._models[0], "param_shapes")
-        skip = {n for g in groups for n in g} | set(model0.get("buffer_names") or []) \
-            | set(model0.get("shared_params") or {})
+        skip = {n for g in groups for n in g} | set(_buffer_names(self._models[0])) \
+            | set(_shared_params(self._models[0]))
         home = self._models[0]
         for name, ref in model0["module"].items():
             if name in skip or not isinstance(ref, TensorRef):
