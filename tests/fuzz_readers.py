@@ -6,9 +6,9 @@ docs/untrusted-input.md); any other exception is a crash. The inputs:
 
 - ``deepspeed``: a copy of a real DeepSpeed checkpoint (tests/fixtures/deepspeed/) with one
   rank file mutated: bytes anywhere in the zip, bytes of data.pkl (the zip rewritten around
-  it, so the pickle parser sees them), integers of data.pkl (tensor sizes, offsets,
-  storage sizes, partition counts, param_shapes) replaced by edge values, or zip header
-  fields. The reader is ``DeepSpeedSource``: open, list, read the first elements of every
+  it, so the pickle parser sees them), plain values of data.pkl (tensor sizes, offsets,
+  storage sizes, partition counts, param_shapes, names, flags) replaced by edge integers or
+  values of another type (None, a list, a dict...), or zip header fields. The reader is ``DeepSpeedSource``: open, list, read the first elements of every
   state.
 - ``manifest``: the zarr.json of a small checkpoint written with tests/synthetic.py, its
   JSON document mutated (values replaced, keys dropped, containers emptied, numbers made
@@ -70,17 +70,24 @@ def _encode_int(n: int) -> bytes:
     return b"\x8a" + bytes([len(raw)]) + raw
 
 
-_INT_OPS = {"BININT", "BININT1", "BININT2", "LONG1"}
+_VALUE_OPS = {"BININT", "BININT1", "BININT2", "LONG1", "BINUNICODE", "SHORT_BINUNICODE",
+              "NONE", "NEWTRUE", "NEWFALSE", "BINFLOAT", "EMPTY_TUPLE"}
 
 
-def _int_positions(pkl: bytes) -> list[tuple[int, int]]:
-    """(start, end) byte ranges of every integer opcode of a pickle."""
+def _value_positions(pkl: bytes) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of every opcode of a pickle that pushes a plain value (an
+    int, a str, None, a bool, a float): tensor sizes, offsets, names, counts, flags."""
     ops = list(pickletools.genops(pkl))
     out = []
     for i, (op, _arg, pos) in enumerate(ops):
-        if op.name in _INT_OPS and i + 1 < len(ops):
+        if op.name in _VALUE_OPS and i + 1 < len(ops):
             out.append((pos, ops[i + 1][2]))
     return out
+
+
+# what a value is replaced with, besides integers: other types in the same place
+OTHER_VALUES = [b"N", b"\x88", b"]", b"}", b")", b"X\x01\x00\x00\x00x", b"G" + struct.pack(">d", 1e300),
+                b"](K\x01K\x02e", b"}X\x01\x00\x00\x00kK\x01s"]
 
 
 def _rewrite_zip(path: str, data_pkl: bytes) -> None:
@@ -101,7 +108,7 @@ def _data_pkl(path: str) -> bytes:
 # the fixtures with the fewest files (world size 2), one ZeRO-1 and one ZeRO-3
 DS_FIXTURES = ["zero1_w2_fp32", "zero3_w2_fp32"]
 _DS_FILES = {f: sorted(os.listdir(os.path.join(FIXTURES, f, "global_step2"))) for f in DS_FIXTURES}
-_INTS = {(f, n): _int_positions(_data_pkl(os.path.join(FIXTURES, f, "global_step2", n)))
+_VALUES = {(f, n): _value_positions(_data_pkl(os.path.join(FIXTURES, f, "global_step2", n)))
          for f in DS_FIXTURES for n in _DS_FILES[f]}
 
 
@@ -110,13 +117,14 @@ def ds_mutations(draw):
     """(fixture, file name, mutation kind, mutation parameters)."""
     fixture = draw(st.sampled_from(DS_FIXTURES))
     name = draw(st.sampled_from(_DS_FILES[fixture]))
-    kind = draw(st.sampled_from(["file_bytes", "pickle_bytes", "pickle_ints", "pickle_ints",
+    kind = draw(st.sampled_from(["file_bytes", "pickle_bytes", "pickle_values", "pickle_values",
                                  "zip_fields"]))
-    if kind == "pickle_ints":
-        n = len(_INTS[(fixture, name)])
+    if kind == "pickle_values":
+        n = len(_VALUES[(fixture, name)])
         edits = draw(st.lists(st.tuples(st.integers(0, n - 1),
                                         st.one_of(st.sampled_from(EDGE_INTS),
-                                                  st.integers(-2**70, 2**70))),
+                                                  st.integers(-2**70, 2**70),
+                                                  st.sampled_from(OTHER_VALUES))),
                               min_size=1, max_size=4))
     elif kind == "zip_fields":
         edits = draw(st.lists(st.tuples(st.sampled_from([b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06",
@@ -156,14 +164,15 @@ def apply_ds_mutation(root: str, mutation) -> str:
     elif kind == "pickle_bytes":
         _rewrite_zip(path, _mutate_bytes(_data_pkl(path), edits))
         return path
-    elif kind == "pickle_ints":
+    elif kind == "pickle_values":
         pkl = _data_pkl(path)
-        spans = _INTS[(fixture, name)]
+        spans = _VALUES[(fixture, name)]
         # apply from the end so earlier positions stay valid
         for index, value in sorted(edits, key=lambda e: -spans[e[0]][0]):
             start, end = spans[index]
-            pkl = pkl[:start] + _encode_int(value) + pkl[end:]
-            spans = spans[:index] + [(start, start + len(_encode_int(value)))] + spans[index + 1:]
+            raw_value = value if isinstance(value, bytes) else _encode_int(value)
+            pkl = pkl[:start] + raw_value + pkl[end:]
+            spans = spans[:index] + [(start, start + len(raw_value))] + spans[index + 1:]
         _rewrite_zip(path, pkl)
         return path
     else:

@@ -11,7 +11,7 @@ from offload_engine.formats.deepspeed.files import DeepSpeedLayoutError
 
 
 def _zero2_checkpoint(root, param_shapes, frozen_param_shapes=None, numel=10, zero_stage=2,
-                      buffer_names=[], module=None):
+                      buffer_names=[], module=None, paddings=None):
     """A minimal one-rank ZeRO-2 checkpoint written with torch.save (plain containers)."""
     tag = os.path.join(root, "global_step1")
     os.makedirs(tag)
@@ -19,7 +19,9 @@ def _zero2_checkpoint(root, param_shapes, frozen_param_shapes=None, numel=10, ze
         f.write("global_step1")
     torch.save({"optimizer_state_dict": {"zero_stage": zero_stage, "partition_count": 1,
                                          "single_partition_of_fp32_groups": [torch.zeros(numel)],
-                                         "base_optimizer_state": {"state": {}, "param_groups": []}}},
+                                         "base_optimizer_state": {"state": {}, "param_groups": []},
+                                         **({} if paddings is None else
+                                            {"param_alignment_paddings": paddings})}},
                os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     model = {"module": {} if module is None else module, "param_shapes": param_shapes, "buffer_names": buffer_names}
     if frozen_param_shapes is not None:
@@ -89,3 +91,17 @@ def test_module_not_a_dict_is_refused(tmp_path):
     root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], buffer_names=["b"], module=[1])
     with pytest.raises(DeepSpeedLayoutError, match="not a DeepSpeed model states file"):
         DeepSpeedSource(root)
+
+
+@pytest.mark.parametrize("pads", [["x"], [[0, "x"]], [[-1]], 5])
+def test_alignment_paddings_not_counts_are_refused(tmp_path, pads):
+    # found by tests/fuzz_readers.py: a string among the paddings crashed with TypeError
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], paddings=pads)
+    with pytest.raises(DeepSpeedLayoutError, match="'param_alignment_paddings' is .*expected a list"):
+        DeepSpeedSource(root)
+
+
+def test_alignment_paddings_of_zeros_still_read(tmp_path):
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], paddings=[[0]])
+    with DeepSpeedSource(root) as src:
+        assert [t.name for t in src.tensors()] == ["w"]

@@ -95,6 +95,19 @@ def _shared_params(model: PtFile) -> dict[str, str]:
     return shared
 
 
+def _paddings(pads, path: str) -> list[list[int]] | None:
+    """``param_alignment_paddings``: per param group, per parameter, elements of padding
+    (ints in [0, 2**63)); None when absent."""
+    if pads is None:
+        return None
+    if isinstance(pads, (list, tuple)) and all(
+            isinstance(g, (list, tuple)) and all(type(p) is int and 0 <= p <= MAX_EXTENT for p in g)
+            for g in pads):
+        return [list(g) for g in pads]
+    raise DeepSpeedLayoutError(f"{path}: 'param_alignment_paddings' is {short_repr(pads)}, "
+                               f"expected a list per param group of padding element counts")
+
+
 def _optimizer_state(pt: PtFile) -> dict:
     obj = pt.obj
     osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
@@ -309,7 +322,7 @@ class DeepSpeedSource(TensorSource):
                     if len(lst) != len(params):
                         raise DeepSpeedLayoutError(f"{pt.path}: {len(lst)} fp32 partitions but the model "
                                                    f"states list {len(params)} param groups")
-                pads = osds[0].get("param_alignment_paddings")
+                pads = _paddings(osds[0].get("param_alignment_paddings"), self._optims[0].path)
                 if pads is not None and not any(any(p) for p in pads):
                     pads = None  # all zero: the common case, parameters back to back
                 layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in masters], pads)
