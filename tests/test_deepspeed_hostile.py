@@ -11,7 +11,7 @@ from offload_engine.formats.deepspeed.files import DeepSpeedLayoutError
 
 
 def _zero2_checkpoint(root, param_shapes, frozen_param_shapes=None, numel=10, zero_stage=2,
-                      buffer_names=[], module=None, paddings=None):
+                      buffer_names=[], module=None, paddings=None, osd_extra={}, model_extra={}):
     """A minimal one-rank ZeRO-2 checkpoint written with torch.save (plain containers)."""
     tag = os.path.join(root, "global_step1")
     os.makedirs(tag)
@@ -21,9 +21,10 @@ def _zero2_checkpoint(root, param_shapes, frozen_param_shapes=None, numel=10, ze
                                          "single_partition_of_fp32_groups": [torch.zeros(numel)],
                                          "base_optimizer_state": {"state": {}, "param_groups": []},
                                          **({} if paddings is None else
-                                            {"param_alignment_paddings": paddings})}},
+                                            {"param_alignment_paddings": paddings}), **osd_extra}},
                os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     model = {"module": {} if module is None else module, "param_shapes": param_shapes, "buffer_names": buffer_names}
+    model.update(model_extra)
     if frozen_param_shapes is not None:
         model["frozen_param_shapes"] = frozen_param_shapes
     torch.save(model, os.path.join(tag, "mp_rank_00_model_states.pt"))
@@ -105,3 +106,25 @@ def test_alignment_paddings_of_zeros_still_read(tmp_path):
     root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], paddings=[[0]])
     with DeepSpeedSource(root) as src:
         assert [t.name for t in src.tensors()] == ["w"]
+
+
+def test_empty_partition_count_is_refused(tmp_path):
+    # max() of no counts raised a bare ValueError
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], osd_extra={"partition_count": []})
+    with pytest.raises(DeepSpeedLayoutError, match="partition_count is .*expected an integer"):
+        DeepSpeedSource(root)
+
+
+def test_optimizer_state_of_a_group_that_is_not_a_dict_is_skipped(tmp_path):
+    # a list where a group's state dict belongs crashed with AttributeError; the moments
+    # are then simply not there
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}],
+                             osd_extra={"base_optimizer_state": {"state": {0: [1]}, "param_groups": 5}})
+    with DeepSpeedSource(root) as src:
+        assert list(src.tensors()[0].states) == ["master"]
+
+
+def test_huge_ds_version_is_shown_bounded(tmp_path):
+    root = _zero2_checkpoint(str(tmp_path), [{"w": torch.Size([10])}], model_extra={"ds_version": BIG})
+    with DeepSpeedSource(root) as src:
+        assert len(src.info.format) < 1000 and len(src.describe()) < 2000

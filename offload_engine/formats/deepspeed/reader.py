@@ -131,7 +131,8 @@ def _inner_state(osd: dict, stage: int):
     base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
     if isinstance(base, dict):
         state = base.get("state")
-        return (state if isinstance(state, dict) else {}), base.get("param_groups") or []
+        groups = base.get("param_groups")
+        return (state if isinstance(state, dict) else {}), (groups if isinstance(groups, (list, tuple)) else [])
     if isinstance(base, (list, tuple)):  # older ZeRO-1/2: one state dict per group
         return {g: s for g, s in enumerate(base) if isinstance(s, dict)}, []
     return {}, []
@@ -167,7 +168,7 @@ class DeepSpeedSource(TensorSource):
         if self.stage not in (1, 2, 3):
             raise DeepSpeedLayoutError(f"{first.path}: unsupported ZeRO stage {self.stage}")
         count = osd0.get("partition_count")
-        counts = count if isinstance(count, (list, tuple)) else [count]
+        counts = count if isinstance(count, (list, tuple)) and count else [count]
         self.world_size = max(_as_int(c, "partition_count", first.path) for c in counts)
         paths = check_rank_count(optim, self.world_size, first.path)
         self.bf16 = optim.bf16
@@ -184,7 +185,9 @@ class DeepSpeedSource(TensorSource):
                 raise DeepSpeedLayoutError(f"{model.path}: not a DeepSpeed model states file "
                                            f"(no 'param_shapes' / 'module')")
         model0 = self._models[0].obj
-        self.ds_version = model0.get("ds_version")
+        version = model0.get("ds_version")
+        # shown in summaries: a string as it is, anything else as a bounded repr
+        self.ds_version = version if isinstance(version, str) and len(version) <= 100 else short_repr(version)
         self.global_steps = model0.get("global_steps")
         if model0.get("ds_autoep_layers") or model0.get("autoep_layers"):
             # expert parameters are partitioned over expert groups, not the data-parallel
@@ -323,6 +326,9 @@ class DeepSpeedSource(TensorSource):
                         raise DeepSpeedLayoutError(f"{pt.path}: {len(lst)} fp32 partitions but the model "
                                                    f"states list {len(params)} param groups")
                 pads = _paddings(osds[0].get("param_alignment_paddings"), self._optims[0].path)
+                if pads is not None and len(pads) != len(params):
+                    raise DeepSpeedLayoutError(f"{self._optims[0].path}: {len(pads)} groups of "
+                                               f"alignment paddings for {len(params)} param groups")
                 if pads is not None and not any(any(p) for p in pads):
                     pads = None  # all zero: the common case, parameters back to back
                 layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in masters], pads)
@@ -343,7 +349,8 @@ class DeepSpeedSource(TensorSource):
             found = {}
             for r, lst in enumerate(masters):
                 for g, master in enumerate(lst):
-                    ref = (inner[r].get(g) or {}).get(moment)
+                    group_state = inner[r].get(g)
+                    ref = group_state.get(moment) if isinstance(group_state, dict) else None
                     if isinstance(ref, TensorRef) and ref.numel >= master.numel:
                         found[(r, g)] = (r, ref)
             if len(found) == len(refs["master"]):  # every partition has it
