@@ -5,7 +5,7 @@ import os
 import pytest
 
 from offload_engine.formats.errors import CheckpointError
-from offload_engine.formats.ours.tensor_table import MAX_WORLD_SIZE, parse_manifest
+from offload_engine.formats.ours.tensor_table import parse_manifest
 from offload_engine.layout.manifest import CHECKPOINT_FORMAT, MANIFEST_VERSION
 
 
@@ -16,11 +16,11 @@ def _attrs(**over):
     return attrs
 
 
-@pytest.mark.parametrize("world", [MAX_WORLD_SIZE + 1, 2**31, 2**63, 2**64])
+@pytest.mark.parametrize("world", [2**31, 2**63, 2**64])
 def test_huge_world_size_is_a_checkpoint_error(world):
     # world_size 2**31 made the parser list 2**31 ranks (MemoryError, or the OOM killer);
-    # 2**63 raised OverflowError
+    # 2**63 raised OverflowError. (Worded loosely: part B's check of world_size against
+    # the arrays gives its own message.)
     where = os.path.join("gen", "zarr.json")
-    with pytest.raises(CheckpointError, match=rf"gen/zarr\.json: 'world_size' is {world}; at most "
-                                              rf"{MAX_WORLD_SIZE} ranks are read"):
+    with pytest.raises(CheckpointError, match=rf"gen/zarr\.json: '?world_size'? is {world}"):
         parse_manifest(_attrs(world_size=world), "checkpoint", where)
