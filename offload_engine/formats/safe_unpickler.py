@@ -16,20 +16,30 @@ rebuild functions, replaced by our own). DeepSpeed, numpy and argparse classes t
 in checkpoints, and ``torch.device``, are replaced by ``Inert`` stand-ins that record their
 arguments and run nothing. Any other global (``os.system``, ``builtins.eval``, ``subprocess.Popen``, a
 function of some module...) raises ``UnsafePickleError`` naming the file.
+
+Memory: a file is untrusted input, so what reading it may cost is capped (``pt_limits``,
+docs/untrusted-input.md): the zip directory's size is checked before it is parsed, no
+record is decompressed, data.pkl is read only up to a size, unpickling runs under a budget
+of bytes (``bounded_unpickler``), no allowed callable allocates from an integer it is
+given, and every declared tensor and storage size is checked against the record that holds
+it before ``load_pt`` returns.
 """
 
 from __future__ import annotations
 
 import collections
-import io
 import math
 import os
 import pickle
+import reprlib
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 from ..dtypes import BY_NAME, DType
+from . import pt_limits as limits
+from .bounded_unpickler import BoundedUnpickler
 from .errors import FormatError
 
 
@@ -134,7 +144,13 @@ class Inert:
         return self.args[0] if len(self.args) == 1 else None
 
     def __repr__(self):
-        return f"<{type(self).qualname} stand-in args={self.args!r} state={self.state!r}>"
+        # bounded: args may be a pickle's million-item list, repeated through the memo
+        return f"<{type(self).qualname} stand-in args={short_repr(self.args)} state={short_repr(self.state)}>"
+
+
+def short_repr(obj) -> str:
+    """A repr of at most a few hundred characters, whatever ``obj`` holds."""
+    return reprlib.repr(obj)
 
 
 def _inert_class(module: str, name: str) -> type:
@@ -143,11 +159,36 @@ def _inert_class(module: str, name: str) -> type:
 
 # -- tensor rebuild functions (replacing torch's) ------------------------------------------
 
+def _extent(value, what: str) -> int:
+    """``value`` as a size, stride, offset or element count: an int in [0, MAX_EXTENT]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limits.MAX_EXTENT:
+        raise pickle.UnpicklingError(f"tensor {what} {short_repr(value)} is not an integer in "
+                                     f"[0, 2**63)")
+    return value
+
+
+def _extents(values, what: str) -> tuple[int, ...]:
+    if not isinstance(values, (tuple, list)) or len(values) > limits.MAX_NDIM:
+        raise pickle.UnpicklingError(f"tensor {what} {short_repr(values)} is not a tuple of at most "
+                                     f"{limits.MAX_NDIM} integers")
+    return tuple(_extent(v, what) for v in values)
+
+
 def _rebuild_tensor(storage, storage_offset, size, stride, *_rest):
     if not isinstance(storage, StorageRef):
         raise pickle.UnpicklingError(f"tensor rebuilt from {type(storage).__name__}, not a storage record")
-    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size),
-                     tuple(int(s) for s in stride))
+    offset = _extent(storage_offset, "offset")
+    shape = _extents(size, "shape")
+    strides = _extents(stride, "stride")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError(f"tensor shape {shape} and stride {strides} differ in length")
+    if all(shape):  # a tensor of no elements reads nothing
+        last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
+        if last >= storage.numel:
+            raise pickle.UnpicklingError(
+                f"tensor (offset {offset}, shape {shape}, stride {strides}) reaches element "
+                f"{last} of storage data/{storage.key}, which has {storage.numel} elements")
+    return TensorRef(storage, offset, shape, strides)
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_rest):
@@ -161,17 +202,6 @@ def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hoo
 
 def _rebuild_parameter(data, *_rest):
     return data
-
-
-def _rebuild_from_type_v2(func, new_type, args, state):
-    """Tensor subclasses (and tensors with Python attributes such as DeepSpeed's ``ds_id``):
-    rebuild the plain tensor with one of *our* functions, keep the attributes as data."""
-    if func not in _REBUILD_FUNCS:
-        raise pickle.UnpicklingError(f"_rebuild_from_type_v2 with an unexpected function {func!r}")
-    ref = func(*args)
-    if isinstance(ref, TensorRef) and isinstance(state, dict) and state:
-        ref.attrs.update(state)
-    return ref
 
 
 _REBUILD_FUNCS = {_rebuild_tensor, _rebuild_tensor_v3, _rebuild_parameter}
@@ -202,69 +232,158 @@ class _StorageMarker:
         self.dtype = dtype
 
 
-_ALLOWED = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("collections", "defaultdict"): collections.defaultdict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
-    ("torch", "Size"): tuple,  # torch.Size is a tuple subclass; shapes only need the tuple
+# Globals a pickle may name, resolved to what they become. Every callable here is a
+# function, never a class (pickle's NEWOBJ calls ``cls.__new__`` directly, which would skip
+# the checks), and none allocates from an integer argument: the containers copy only
+# objects the pickle already built, and charge the copy to the unpickler's budget first.
+_ALLOWED_VALUES = {
     ("torch", "Tensor"): _TypeMarker("torch.Tensor"),
-    ("torch", "device"): _inert_class("torch", "device"),
     ("torch.nn.parameter", "Parameter"): _TypeMarker("torch.nn.parameter.Parameter"),
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+}
+
+# Globals resolved to a method of the unpickler (they charge its budget): name -> method.
+_ALLOWED_METHODS = {
+    ("collections", "OrderedDict"): "_ordered_dict",
+    ("collections", "defaultdict"): "_defaultdict",
+    ("builtins", "set"): "_set",
+    ("builtins", "frozenset"): "_frozenset",
+    ("builtins", "slice"): "_slice",
+    ("builtins", "complex"): "_complex",
+    ("builtins", "bytearray"): "_bytearray",
+    ("torch._tensor", "_rebuild_from_type_v2"): "_rebuild_from_type",
+    ("torch", "Size"): "_size",  # torch.Size is a tuple subclass; shapes only need the tuple
 }
 
 # Top-level modules whose classes become inert stand-ins: data we may walk past, never run.
 _INERT_MODULES = frozenset({"deepspeed", "numpy", "argparse", "megatron"})
 
+# Bytes charged per item a container constructor copies (a dict or set entry and its share
+# of the hash table; a tuple slot is 8 bytes, charged at the same rate for simplicity).
+_ITEM_BYTES = 64
+_CLASS_BYTES = 2048  # a stand-in class object and its dict
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves only allow-listed globals and never loads storages.
+
+class RestrictedUnpickler(BoundedUnpickler):
+    """Unpickler that resolves only allow-listed globals, never loads storages, and stops
+    past ``limits.MAX_UNPICKLE_BYTES`` of objects (see ``BoundedUnpickler``).
 
     Args:
-        file: a binary file object holding the pickle.
+        data: the pickle (``data.pkl``'s bytes).
         source: the path named in errors.
     """
 
-    def __init__(self, file, source: str):
-        super().__init__(file)
+    # stand-ins record their state; an OrderedDict (always a new one, built by
+    # _ordered_dict) carries a state_dict's ``_metadata`` attribute
+    BUILD_TYPES = (Inert, collections.OrderedDict)
+    MAX_TUPLE_NESTING = limits.MAX_TUPLE_NESTING
+
+    def __init__(self, data: bytes, source: str, budget: int = limits.MAX_UNPICKLE_BYTES):
+        super().__init__(data, budget)
         self.source = source
         self.storages: dict[str, StorageRef] = {}
+        self._inert: dict[tuple[str, str], type] = {}
 
     def find_class(self, module: str, name: str):
-        target = _ALLOWED.get((module, name))
+        target = _ALLOWED_VALUES.get((module, name))
         if target is not None:
             return target
+        method = _ALLOWED_METHODS.get((module, name))
+        if method is not None:
+            return getattr(self, method)
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageMarker(_STORAGE_DTYPES[name])
         if module == "torch" and name in BY_NAME:
             return BY_NAME[name]  # torch.float32 & co. (a dtype outside the table is refused)
-        if module.split(".")[0] in _INERT_MODULES:
-            return _inert_class(module, name)
+        if module.split(".")[0] in _INERT_MODULES or (module, name) == ("torch", "device"):
+            return self._inert_class(module, name)
         raise UnsafePickleError(
-            f"{self.source}: refusing to load: the pickle names the global {module}.{name}, "
-            f"which is not on the allow-list (nothing was executed)")
+            f"{self.source}: refusing to load: the pickle names the global {module[:200]}."
+            f"{name[:200]}, which is not on the allow-list (nothing was executed)")
+
+    def _inert_class(self, module: str, name: str) -> type:
+        cls = self._inert.get((module, name))
+        if cls is None:
+            if len(self._inert) >= limits.MAX_INERT_CLASSES:
+                raise pickle.UnpicklingError(
+                    f"the pickle names more than {limits.MAX_INERT_CLASSES} classes")
+            self.charge(_CLASS_BYTES + len(module) + len(name))
+            cls = self._inert[(module, name)] = _inert_class(module, name)
+        return cls
 
     def persistent_load(self, pid):
         # torch.save's format: ('storage', storage_type, key, location, numel)
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+            raise pickle.UnpicklingError(f"unexpected persistent id {short_repr(pid)}")
         _, marker, key, _location, numel = pid
         if not isinstance(marker, _StorageMarker):
-            raise pickle.UnpicklingError(f"storage of unknown type {marker!r}")
-        key = str(key)
+            raise pickle.UnpicklingError(f"storage of unknown type {short_repr(marker)}")
+        if not isinstance(key, str) or len(key) > limits.MAX_STORAGE_KEY:
+            raise pickle.UnpicklingError(f"storage key {short_repr(key)} is not a short string")
+        numel = _extent(numel, "storage size")
         ref = self.storages.get(key)
         if ref is None:
-            ref = StorageRef(key, marker.dtype, int(numel))
+            ref = StorageRef(key, marker.dtype, numel)
             self.storages[key] = ref
+        return ref
+
+    # -- allow-listed callables: copies of objects the pickle built, charged first -----------
+
+    def _sized(self, items, what: str, per_item: int = _ITEM_BYTES):
+        if not isinstance(items, (list, tuple, set, frozenset, dict, str, bytes)):
+            raise pickle.UnpicklingError(f"{what} of a {type(items).__name__}")
+        self.charge(per_item * len(items))
+        return items
+
+    def _set(self, items=()):
+        return set(self._sized(items, "set"))
+
+    def _frozenset(self, items=()):
+        return frozenset(self._sized(items, "frozenset"))
+
+    def _ordered_dict(self, items=()):
+        return collections.OrderedDict(self._sized(items, "OrderedDict"))
+
+    def _defaultdict(self, factory=None, items=()):
+        # reading never inserts a missing key, so the factory (whatever it is) is dropped
+        return collections.defaultdict(None, self._sized(items, "defaultdict"))
+
+    def _slice(self, *args):
+        return slice(*args)
+
+    def _complex(self, real=0, imag=0):
+        for part in (real, imag):
+            if not isinstance(part, (int, float, str)) or isinstance(part, str) and len(part) > 100:
+                raise pickle.UnpicklingError(f"complex of {short_repr(part)}")
+        return complex(real, imag)
+
+    def _bytearray(self, source=b"", encoding=None):
+        # pickle protocol 2 writes bytearray(str, "latin-1"); never bytearray(int), which
+        # would allocate as many bytes as the integer says
+        if not isinstance(source, (bytes, bytearray, str)):
+            raise pickle.UnpicklingError(f"bytearray of a {type(source).__name__}, not of bytes")
+        self.charge(4 * len(source))
+        return bytearray(source, encoding) if isinstance(source, str) else bytearray(source)
+
+    def _size(self, dims=()):
+        return _extents(dims, "shape")
+
+    def _rebuild_from_type(self, func, new_type, args, state):
+        """Tensor subclasses (and tensors with Python attributes such as DeepSpeed's
+        ``ds_id``): rebuild the plain tensor with one of *our* functions, keep the
+        attributes as data."""
+        if func not in _REBUILD_FUNCS:
+            raise pickle.UnpicklingError(f"_rebuild_from_type_v2 with an unexpected function {short_repr(func)}")
+        if not isinstance(args, tuple):
+            raise pickle.UnpicklingError(f"_rebuild_from_type_v2 with arguments {short_repr(args)}")
+        ref = func(*args)
+        if isinstance(ref, TensorRef) and isinstance(state, dict) and state:
+            self.charge(_ITEM_BYTES * len(state))
+            ref.attrs.update(state)
         return ref
 
 
@@ -282,40 +401,101 @@ class RecordSpan:
     nbytes: int
 
 
+_EOCD = struct.Struct("<4sHHHHIIH")         # end of central directory record, 22 bytes
+_EOCD64_LOCATOR = struct.Struct("<4sIQI")    # zip64 end of central directory locator, 20 bytes
+_EOCD64 = struct.Struct("<4sQHHIIQQQQ")      # zip64 end of central directory record, 56 bytes
+_MAX_ZIP_COMMENT = 0xFFFF
+
+
+def _central_directory_size(f, file_size: int) -> tuple[int, int] | None:
+    """(entries, bytes) the zip's central directory declares, read from its end records
+    without parsing the directory; None when no end record is found (``zipfile`` then
+    reports the file as not a zip)."""
+    tail_len = min(file_size, _EOCD.size + _MAX_ZIP_COMMENT)
+    f.seek(file_size - tail_len)
+    tail = f.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(tail):
+        return None
+    _, _, _, _, entries, cd_bytes, cd_offset, _ = _EOCD.unpack_from(tail, at)
+    if entries == 0xFFFF or cd_bytes == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        locator_at = file_size - tail_len + at - _EOCD64_LOCATOR.size
+        if locator_at >= 0:
+            f.seek(locator_at)
+            sig, _, eocd64_at, _ = _EOCD64_LOCATOR.unpack(f.read(_EOCD64_LOCATOR.size))
+            if sig == b"PK\x06\x07" and eocd64_at + _EOCD64.size <= file_size:
+                f.seek(eocd64_at)
+                fields = _EOCD64.unpack(f.read(_EOCD64.size))
+                if fields[0] == b"PK\x06\x06":
+                    entries, cd_bytes = fields[7], fields[8]
+    return entries, cd_bytes
+
+
 class PtArchive:
     """The records of one ``torch.save`` zip file, located without reading their data.
 
-    Only the zip's central directory and, per record, its 30-byte local header are read.
+    Only the zip's end records, its central directory and, per record, its 30-byte local
+    header are read. The directory's size is checked (``pt_limits.MAX_RECORDS``,
+    ``MAX_CENTRAL_DIRECTORY``) before ``zipfile`` parses it, and no record is ever
+    decompressed (torch.save stores every record).
     """
 
     def __init__(self, path: str):
         self.path = os.fspath(path)
         try:
-            with zipfile.ZipFile(self.path) as zf:
-                infos = zf.infolist()
+            with open(self.path, "rb") as f:
+                self.size = os.fstat(f.fileno()).st_size
+                declared = _central_directory_size(f, self.size)
+                if declared is not None:
+                    entries, cd_bytes = declared
+                    if entries > limits.MAX_RECORDS or cd_bytes > limits.MAX_CENTRAL_DIRECTORY:
+                        raise CheckpointFileError(
+                            f"{self.path}: zip directory of {entries} records ({cd_bytes} bytes); "
+                            f"at most {limits.MAX_RECORDS} records and "
+                            f"{limits.MAX_CENTRAL_DIRECTORY} bytes are read")
+                with zipfile.ZipFile(f) as zf:
+                    infos = zf.infolist()
+                if len(infos) > limits.MAX_RECORDS:
+                    raise CheckpointFileError(f"{self.path}: zip directory of {len(infos)} records; "
+                                              f"at most {limits.MAX_RECORDS} are read")
         except FileNotFoundError:
             raise CheckpointFileError(f"{self.path}: file not found") from None
-        except zipfile.BadZipFile as e:
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, struct.error,
+                ValueError) as e:
+            if isinstance(e, CheckpointFileError):
+                raise
             raise CheckpointFileError(
                 f"{self.path}: not a readable torch checkpoint (truncated or corrupt zip: {e})") from None
+        except OSError as e:
+            raise CheckpointFileError(f"{self.path}: cannot read ({e.strerror or e})") from None
         pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pkl) != 1:
             raise CheckpointFileError(f"{self.path}: zip holds no single data.pkl; not a torch.save file")
         self.prefix = pkl[0].filename[: -len("data.pkl")]
         self._infos = {i.filename: i for i in infos}
         self._spans: dict[str, RecordSpan] | None = None
-        self.size = os.path.getsize(self.path)
 
-    def read_record(self, name: str) -> bytes:
-        """The bytes of a small record (data.pkl, byteorder), CRC-checked."""
+    def read_record(self, name: str, max_bytes: int = limits.MAX_SMALL_RECORD) -> bytes:
+        """The bytes of a small record (data.pkl, byteorder), CRC-checked; a record over
+        ``max_bytes`` bytes, or a compressed one, is refused before anything is read."""
         info = self._infos.get(self.prefix + name)
         if info is None:
             raise CheckpointFileError(f"{self.path}: record {name!r} missing")
         try:
-            with zipfile.ZipFile(self.path) as zf:
-                return zf.read(info)
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
-            raise CheckpointFileError(f"{self.path}: record {name!r} unreadable (truncated or corrupt: {e})") from None
+            with open(self.path, "rb") as f:
+                span = self._locate(f, info)
+                if span.nbytes > max_bytes:
+                    raise CheckpointFileError(
+                        f"{self.path}: record {name!r} has {span.nbytes} bytes; at most "
+                        f"{max_bytes} are read")
+                f.seek(span.offset)
+                data = f.read(span.nbytes)
+        except OSError as e:
+            raise CheckpointFileError(f"{self.path}: record {name!r} unreadable ({e.strerror or e})") from None
+        if len(data) != span.nbytes or zlib.crc32(data) != info.CRC:
+            raise CheckpointFileError(f"{self.path}: record {name!r} is corrupt (its CRC-32 does "
+                                      f"not match; truncated or altered file)")
+        return data
 
     def storage_spans(self) -> dict[str, RecordSpan]:
         """Every ``data/<key>`` record's byte span, by storage key."""
@@ -337,7 +517,7 @@ class PtArchive:
         return span
 
     def _locate(self, f, info: zipfile.ZipInfo) -> RecordSpan:
-        if info.compress_type != zipfile.ZIP_STORED:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             raise CheckpointFileError(f"{self.path}: record {info.filename} is compressed; "
                                       f"torch.save never compresses (not a torch checkpoint?)")
         f.seek(info.header_offset)
@@ -383,19 +563,29 @@ def load_pt(path: str | os.PathLike) -> PtFile:
     """Unpickle a ``torch.save`` file's structure safely; tensors become ``TensorRef``.
 
     Raises CheckpointFileError (a ValueError) naming the file when it is missing, not a
-    zip-format torch file, truncated, corrupt, big-endian, or names a forbidden global.
+    zip-format torch file, truncated, corrupt, big-endian, names a forbidden global,
+    or exceeds a cap of ``pt_limits`` (docs/untrusted-input.md).
     """
     path = os.fspath(path)
     archive = PtArchive(path)
     order = archive._infos.get(archive.prefix + "byteorder")
     if order is not None and archive.read_record("byteorder").strip() != b"little":
         raise CheckpointFileError(f"{path}: big-endian checkpoints are not supported")
-    data = archive.read_record("data.pkl")
-    unpickler = RestrictedUnpickler(io.BytesIO(data), path)
+    data = archive.read_record("data.pkl", limits.MAX_PICKLE_BYTES)
+    unpickler = RestrictedUnpickler(data, path)
     try:
         obj = unpickler.load()
     except UnsafePickleError:
         raise
     except Exception as e:  # any failure of a corrupt pickle: one line naming the file
-        raise CheckpointFileError(f"{path}: corrupt pickle in data.pkl ({type(e).__name__}: {e})") from None
+        raise CheckpointFileError(f"{path}: corrupt pickle in data.pkl "
+                                  f"({type(e).__name__}: {str(e)[:300]})") from None
+    del data, unpickler.memo  # the memo may hold the only references to big unused objects
+    for ref in unpickler.storages.values():
+        span = archive.record_span(ref.key)
+        if ref.numel * ref.dtype.itemsize > span.nbytes:
+            raise CheckpointFileError(
+                f"{path}: storage data/{ref.key} declares {ref.numel} elements of "
+                f"{ref.dtype.name} ({ref.numel * ref.dtype.itemsize} bytes) but its record has "
+                f"{span.nbytes} bytes (corrupt file)")
     return PtFile(path, obj, archive, unpickler.storages)

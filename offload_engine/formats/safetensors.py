@@ -28,6 +28,24 @@ from .errors import FormatError
 from .source import TensorSource, SourceInfo, TensorMeta
 
 MAX_HEADER = 100 * 1000 * 1000  # bytes: the safetensors crate's limit
+# Dimensions of one tensor, and a size in one: torch's limits (64 dimensions in its kernels,
+# int64 sizes). Checked before the sizes are multiplied: the product of 100,000 huge sizes
+# alone takes minutes.
+MAX_NDIM = 64
+MAX_DIM = (1 << 63) - 1
+# JSON values (objects, arrays, strings, numbers) in a header or index, counted by their
+# separators before the JSON is parsed: parsing builds a Python object of 30 to 100 bytes
+# for each, so a 100 MB header of `[{},{},...]` built 2.4 GB. A real header of 10,000
+# tensors holds about 100,000; 2,000,000 bound the parse to about 200 MB.
+MAX_JSON_VALUES = 2_000_000
+
+
+def _check_json_size(raw: bytes, where: str) -> None:
+    """Refuse JSON of more than MAX_JSON_VALUES values (an over-estimate: separators inside
+    strings count too), before parsing it."""
+    values = raw.count(b",") + raw.count(b"{") + raw.count(b"[") + 1
+    if values > MAX_JSON_VALUES:
+        raise FormatError(f"{where}: about {values} JSON values; at most {MAX_JSON_VALUES} are read")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -84,6 +102,7 @@ def read_header(path: str, *, check_data: bool = True
         raise FormatError(f"{path}: cannot read: {e.strerror or e}") from None
     if len(raw) < n:
         raise FormatError(f"{path}: header cut short ({len(raw)} of {n} bytes; truncated)")
+    _check_json_size(raw, f"{path}: the header")
     doc = parse_json_object(raw, f"{path}: the header", FormatError)
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
@@ -104,10 +123,12 @@ def read_header(path: str, *, check_data: bool = True
         shape, offs = e.get("shape"), e.get("data_offsets")
         if offs is None and not check_data:
             offs = [0, 0]
-        if (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                or not all(type(s) is int and 0 <= s <= MAX_DIM for s in shape)
                 or not isinstance(offs, list) or len(offs) != 2
                 or not all(type(o) is int for o in offs)):
-            raise FormatError(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
+            raise FormatError(f"{path}: tensor {name!r} has a malformed shape or data_offsets (a "
+                              f"shape is at most {MAX_NDIM} integers in [0, 2**63))")
         begin, end = offs
         if check_data and (end - begin != math.prod(shape) * dt.itemsize or begin < 0
                            or end > data_size):
@@ -123,11 +144,14 @@ def read_index(index: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
     ``model.safetensors.index.json``; FormatError naming it (or a missing shard)."""
     try:
         with open(index, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_HEADER + 1)
     except FileNotFoundError:
         raise FormatError(f"{index}: file not found") from None
     except OSError as e:
         raise FormatError(f"{index}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_HEADER:
+        raise FormatError(f"{index}: more than {MAX_HEADER} bytes; not a safetensors index")
+    _check_json_size(raw, index)
     doc = parse_json_object(raw, index, FormatError)
     wm = doc.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):

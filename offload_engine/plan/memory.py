@@ -38,7 +38,8 @@ from ..optim.store_manifest import manifest_tables
 from ..store.config import default as store_default
 from ..store.geometry import array_pool_bytes, bucket_sizes, elems_per_bucket
 from ..units import MiB
-from .model_shapes import ModelShapes
+from . import model_limits
+from .model_shapes import ModelInputError, ModelShapes
 
 BF16 = BFLOAT16.itemsize  # bytes of an exchanged element
 
@@ -213,10 +214,23 @@ def rank_layout(infos: list[ParamInfo], rank: int, opts: PlanOptions):
                         amsgrad_of=lambda i: i.kind == "adamw" and opts.amsgrad)
 
 
+def check_bucket_count(model: ModelShapes, bucket_bytes: int) -> None:
+    """Refuse a model whose fp32 state array (4 bytes an element) would take more than
+    ``MAX_PLAN_BUCKETS`` buckets of ``bucket_bytes``: the layout builds an object per bucket,
+    so this bounds the planner's memory before it starts."""
+    buckets = -(-model.numel * 4 // max(1, bucket_bytes))
+    if buckets > model_limits.MAX_PLAN_BUCKETS:
+        raise ModelInputError(
+            f"{model.source}: {model.numel} parameters make {buckets} buckets of {bucket_bytes} "
+            f"bytes per state array; the planner lays out at most {model_limits.MAX_PLAN_BUCKETS} "
+            f"(a bigger --bucket-bytes plans a bigger model)")
+
+
 def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None = None) -> list[RankState]:
     """One RankState per rank. Ranks holding the same rows share one layout (computed with
     ZeroMuon's ``build_layout``); owners, and so the buffers and all_to_all bytes that
     depend on them, are per rank."""
+    check_bucket_count(model, opts.bucket_bytes)
     world = opts.world_size
     kinds = kinds or classify(model)
     starts = rank_groups((t.shape[0] if t.shape else 1 for t in model.tensors), world)

@@ -13,7 +13,8 @@ Three inputs, told apart by content (``load_model``):
   ``[{"name": ..., "shape": [...], "dtype": "bfloat16"}, ...]``.
 
 A directory holding a ``config.json`` (preferred), an index or safetensors files also works.
-Errors are ``ModelInputError`` (a ValueError) with one line that names the file.
+Errors are ``ModelInputError`` (a ValueError) with one line that names the file. Every
+number is checked against ``model_limits`` before anything proportional to it is built.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ..formats.errors import FormatError
 from ..formats.safetensors import read_header, read_index
+from . import model_limits as limits
 
 # an FSDP2 unit: one block of a layer stack (fully_shard is applied per block)
 _BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|layer)\.\d+)\.")
@@ -124,13 +126,39 @@ def _load_dir(path: str, dtype: str) -> ModelShapes:
 def _read_json(path: str):
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > limits.MAX_JSON_BYTES:
+                raise ModelInputError(f"{path}: {size} bytes; a model description of at most "
+                                      f"{limits.MAX_JSON_BYTES} bytes is read")
+            raw = f.read(limits.MAX_JSON_BYTES + 1)
     except OSError as e:
         raise ModelInputError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelInputError(f"{path}: not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # a number of over 4300 digits, deep nesting
+        raise ModelInputError(f"{path}: not a usable JSON document: {str(e)[:200]}") from None
+
+
+def check_shapes(tensors: list[Tensor], source: str) -> list[Tensor]:
+    """Refuse more than ``MAX_TENSORS`` tensors, or a shape of more than ``MAX_NDIM``
+    dimensions or a size outside [0, MAX_DIM]: what the planner's arithmetic relies on."""
+    if len(tensors) > limits.MAX_TENSORS:
+        raise ModelInputError(f"{source}: {len(tensors)} tensors; the planner reads at most "
+                              f"{limits.MAX_TENSORS}")
+    for t in tensors:
+        if len(t.shape) > limits.MAX_NDIM or not all(
+                type(d) is int and 0 <= d <= limits.MAX_DIM for d in t.shape):
+            raise ModelInputError(f"{source}: {t.name[:200]!r}: shape must have at most "
+                                  f"{limits.MAX_NDIM} sizes, each an integer in [0, 2**63); got "
+                                  f"{_short_shape(t.shape)}")
+    return tensors
+
+
+def _short_shape(shape) -> str:
+    text = repr(shape)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _stem(path: str) -> str:
@@ -165,6 +193,7 @@ def from_hf_config(cfg: dict, name: str = "model", source: str = "<config>",
         raise ModelInputError(f"{source}: unknown model family {family!r}; known: "
                               f"{', '.join(sorted(FAMILIES))} (or pass a safetensors header "
                               "or a list of shapes)")
+    _check_config_numbers(cfg, source, family)
     try:
         shapes, tied = builder(cfg)
     except KeyError as e:
@@ -175,7 +204,31 @@ def from_hf_config(cfg: dict, name: str = "model", source: str = "<config>",
     for t in tensors:
         if any(d < 0 for d in t.shape):
             raise ModelInputError(f"{source}: {t.name} would have a negative size {t.shape}")
-    return ModelShapes(name, family, tensors, source, tied)
+    return ModelShapes(name, family, check_shapes(tensors, source), source, tied)
+
+
+# config numbers that multiply into the length of the parameter list
+_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_local_experts")
+
+
+def _check_config_numbers(cfg: dict, source: str, family: str) -> None:
+    """Every architecture number an integer in [0, MAX_DIM], and the parameter list the
+    config expands to at most MAX_TENSORS long: checked before it is built."""
+    for key, value in cfg.items():
+        if key in _COUNT_KEYS or key.endswith(("_size", "_heads", "_dim", "n_embd", "n_inner",
+                                               "n_positions", "max_position_embeddings")):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value <= limits.MAX_DIM):
+                raise ModelInputError(f"{source}: {family} config: {key} is {_short_shape(value)}, "
+                                      f"expected an integer in [0, 2**63)")
+    layers = max(int(cfg.get(k) or 0) for k in _COUNT_KEYS[:2])
+    experts = int(cfg.get("num_local_experts") or 1) if family == "mixtral" else 1
+    per_layer = 16 + 3 * experts  # tensors of one block, experts included
+    if layers * per_layer > limits.MAX_TENSORS:
+        raise ModelInputError(f"{source}: {family} config: {layers} layers of {per_layer} tensors "
+                              f"each; the planner reads at most {limits.MAX_TENSORS} tensors")
 
 
 def _get(cfg: dict, *keys, default=None):
@@ -304,6 +357,7 @@ def from_safetensors(paths: list[str], name: str, source: str) -> ModelShapes:
             raise ModelInputError(str(e)) from None
         tensors += [Tensor(key, e.shape, e.dtype.name if e.dtype else e.code.lower())
                      for key, e in entries.items()]
+        check_shapes(tensors, path)
     if not tensors:
         raise ModelInputError(f"{source}: no tensors in the safetensors header(s)")
     return ModelShapes(name, "safetensors", tensors, source,
@@ -349,9 +403,9 @@ def from_shape_list(doc, name: str = "model", source: str = "<shapes>",
     tensors = []
     for key, shape, dt in items:
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ModelInputError(f"{source}: {key!r}: shape must be a list of non-negative "
-                                  f"integers, got {shape!r}")
+            raise ModelInputError(f"{source}: {str(key)[:200]!r}: shape must be a list of "
+                                  f"non-negative integers, got {_short_shape(shape)}")
         tensors.append(Tensor(str(key), tuple(shape), str(dt)))
     if not tensors:
         raise ModelInputError(f"{source}: no tensors listed")
-    return ModelShapes(name, "shapes", tensors, source)
+    return ModelShapes(name, "shapes", check_shapes(tensors, source), source)

@@ -32,7 +32,8 @@ import os
 from ...dtypes import DType
 from ...io.align import as_byte_view
 from ..errors import FormatError
-from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt
+from ..pt_limits import MAX_EXTENT, MAX_NDIM
+from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt, short_repr
 from ..source import ReadRequest, TensorSource, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
 from .partitions import Piece, PartitionError, fragments_layout, zero3_layout, zero12_layout
@@ -44,8 +45,67 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def _as_int(value, what: str, path: str) -> int:
     value = getattr(value, "value", value)  # ZeroStageEnum arrives as an inert stand-in
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DeepSpeedLayoutError(f"{path}: {what} is {value!r}, expected an integer")
+        raise DeepSpeedLayoutError(f"{path}: {what} is {short_repr(value)}, expected an integer")
     return value
+
+
+def _shape(value, what: str, path: str) -> tuple[int, ...]:
+    """A shape recorded in the metadata (``param_shapes``, ``frozen_param_shapes``): at most
+    ``pt_limits.MAX_NDIM`` sizes, each an int in [0, 2**63); checked before its product is
+    used (the product of 10,000 huge sizes alone takes minutes)."""
+    if isinstance(value, (tuple, list)) and len(value) <= MAX_NDIM and all(
+            type(d) is int and 0 <= d <= MAX_EXTENT for d in value):
+        return tuple(value)
+    raise DeepSpeedLayoutError(f"{path}: {what} has shape {short_repr(value)}, expected at most "
+                               f"{MAX_NDIM} integers in [0, 2**63)")
+
+
+def _shape_groups(model: PtFile, key: str) -> list[dict[str, tuple[int, ...]]]:
+    """``param_shapes`` (one dict, or a list of them: one per param group) or
+    ``frozen_param_shapes`` (one dict) as a list of {name: shape}, every shape checked."""
+    groups = model.obj.get(key)
+    groups = [groups] if isinstance(groups, dict) else groups
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
+        raise DeepSpeedLayoutError(f"{model.path}: '{key}' is {short_repr(groups)}, expected a dict "
+                                   f"of parameter shapes or a list of them")
+    out = []
+    for g in groups:
+        if not all(isinstance(n, str) for n in g):
+            raise DeepSpeedLayoutError(f"{model.path}: '{key}' has a parameter name that is not a string")
+        out.append({n: _shape(s, f"{key}[{n[:200]!r}]", model.path) for n, s in g.items()})
+    return out
+
+
+def _buffer_names(model: PtFile) -> list[str]:
+    """``buffer_names``: a list of strings (None: no buffers)."""
+    names = model.obj.get("buffer_names") or []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise DeepSpeedLayoutError(f"{model.path}: 'buffer_names' is {short_repr(names)}, "
+                                   f"expected a list of names")
+    return list(names)
+
+
+def _shared_params(model: PtFile) -> dict[str, str]:
+    """``shared_params``: {alias: owner}, both strings (None: no tied parameters)."""
+    shared = model.obj.get("shared_params") or {}
+    if not isinstance(shared, dict) or not all(
+            isinstance(a, str) and isinstance(o, str) for a, o in shared.items()):
+        raise DeepSpeedLayoutError(f"{model.path}: 'shared_params' is {short_repr(shared)}, "
+                                   f"expected a dict of alias -> owner names")
+    return shared
+
+
+def _paddings(pads, path: str) -> list[list[int]] | None:
+    """``param_alignment_paddings``: per param group, per parameter, elements of padding
+    (ints in [0, 2**63)); None when absent."""
+    if pads is None:
+        return None
+    if isinstance(pads, (list, tuple)) and all(
+            isinstance(g, (list, tuple)) and all(type(p) is int and 0 <= p <= MAX_EXTENT for p in g)
+            for g in pads):
+        return [list(g) for g in pads]
+    raise DeepSpeedLayoutError(f"{path}: 'param_alignment_paddings' is {short_repr(pads)}, "
+                               f"expected a list per param group of padding element counts")
 
 
 def _optimizer_state(pt: PtFile) -> dict:
@@ -71,7 +131,8 @@ def _inner_state(osd: dict, stage: int):
     base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
     if isinstance(base, dict):
         state = base.get("state")
-        return (state if isinstance(state, dict) else {}), base.get("param_groups") or []
+        groups = base.get("param_groups")
+        return (state if isinstance(state, dict) else {}), (groups if isinstance(groups, (list, tuple)) else [])
     if isinstance(base, (list, tuple)):  # older ZeRO-1/2: one state dict per group
         return {g: s for g, s in enumerate(base) if isinstance(s, dict)}, []
     return {}, []
@@ -107,7 +168,7 @@ class DeepSpeedSource(TensorSource):
         if self.stage not in (1, 2, 3):
             raise DeepSpeedLayoutError(f"{first.path}: unsupported ZeRO stage {self.stage}")
         count = osd0.get("partition_count")
-        counts = count if isinstance(count, (list, tuple)) else [count]
+        counts = count if isinstance(count, (list, tuple)) and count else [count]
         self.world_size = max(_as_int(c, "partition_count", first.path) for c in counts)
         paths = check_rank_count(optim, self.world_size, first.path)
         self.bf16 = optim.bf16
@@ -118,11 +179,15 @@ class DeepSpeedSource(TensorSource):
             stage = _as_int(_optimizer_state(pt)["zero_stage"], "zero_stage", pt.path)
             if stage != self.stage:
                 raise DeepSpeedLayoutError(f"{pt.path}: ZeRO stage {stage}, but rank 0 has {self.stage}")
+        for model in self._models:
+            if not isinstance(model.obj, dict) or "param_shapes" not in model.obj \
+                    or not isinstance(model.obj.get("module"), dict):
+                raise DeepSpeedLayoutError(f"{model.path}: not a DeepSpeed model states file "
+                                           f"(no 'param_shapes' / 'module')")
         model0 = self._models[0].obj
-        if not isinstance(model0, dict) or "param_shapes" not in model0 or "module" not in model0:
-            raise DeepSpeedLayoutError(f"{self._models[0].path}: not a DeepSpeed model states file "
-                                       f"(no 'param_shapes' / 'module')")
-        self.ds_version = model0.get("ds_version")
+        version = model0.get("ds_version")
+        # shown in summaries: a string as it is, anything else as a bounded repr
+        self.ds_version = version if isinstance(version, str) and len(version) <= 100 else short_repr(version)
         self.global_steps = model0.get("global_steps")
         if model0.get("ds_autoep_layers") or model0.get("autoep_layers"):
             # expert parameters are partitioned over expert groups, not the data-parallel
@@ -141,7 +206,7 @@ class DeepSpeedSource(TensorSource):
         self._add_frozen(model0)
         self._add_trainable(model0)
         names = {t.name for t in self._tensors}
-        shared = model0.get("shared_params") or {}
+        shared = _shared_params(self._models[0])
         self._aliases = {a: o for a, o in shared.items() if o in names and a not in names}
         # not capped at the file count: the reader cuts long runs into pieces read in parallel
         self._reader = ScatterReader([pt.path for pt in self._files], threads=threads)
@@ -162,7 +227,7 @@ class DeepSpeedSource(TensorSource):
         """Record where ``state`` of tensor ``name`` lies (``pieces`` of the source tensors
         ``refs``: key -> (file index, TensorRef)); returns its dtype and bytes per rank."""
         if (name, state) in self._segments:
-            raise DeepSpeedLayoutError(f"{home.path}: tensor {name!r} is listed twice")
+            raise DeepSpeedLayoutError(f"{home.path}: tensor {short_repr(name)} is listed twice")
         dtypes = {refs[p.src][1].dtype for p in pieces}
         if len(dtypes) > 1:
             raise DeepSpeedLayoutError(f"{home.path}: {name} is stored in mixed dtypes "
@@ -203,10 +268,10 @@ class DeepSpeedSource(TensorSource):
     def _add_buffers(self, model0: dict) -> None:
         module = model0["module"]
         home = self._models[0]
-        for name in model0.get("buffer_names") or []:
+        for name in _buffer_names(home):
             ref = module.get(name)
             if not isinstance(ref, TensorRef):
-                raise DeepSpeedLayoutError(f"{home.path}: buffer {name!r} missing from 'module'")
+                raise DeepSpeedLayoutError(f"{home.path}: buffer {short_repr(name)} missing from 'module'")
             self._add_whole(name, ref.shape, "buffer", [Piece(0, ref.numel, "b", 0)],
                             {"b": (self._model_index(0), ref)}, home)
 
@@ -215,14 +280,16 @@ class DeepSpeedSource(TensorSource):
         if shapes is None and self.stage <= 2:
             self._add_frozen_from_module(model0)
             return
-        for name, shape in (shapes or {}).items():
+        shapes = {n: shape for g in _shape_groups(self._models[0], "frozen_param_shapes")
+                  for n, shape in g.items()} if shapes is not None else {}
+        for name, shape in shapes.items():
             numel = math.prod(shape)
             refs = {}
             for r, model in enumerate(self._models):  # one file for ZeRO-1/2, one per rank for ZeRO-3
                 frags = model.obj.get("frozen_param_fragments") or {}
-                ref = frags.get(name)
+                ref = frags.get(name) if isinstance(frags, dict) else None
                 if not isinstance(ref, TensorRef):
-                    raise DeepSpeedLayoutError(f"{model.path}: frozen parameter {name!r} has no fragment")
+                    raise DeepSpeedLayoutError(f"{model.path}: frozen parameter {short_repr(name)} has no fragment")
                 refs[r] = (self._model_index(r), ref)
             try:
                 pieces = fragments_layout(numel, [(r, refs[r][1].numel) for r in sorted(refs)])
@@ -234,10 +301,9 @@ class DeepSpeedSource(TensorSource):
         """ZeRO-1 checkpoints record no ``frozen_param_shapes`` (zero_to_fp32 then drops
         frozen parameters). Under ZeRO-1/2 the module state dict holds every parameter whole,
         so a frozen one is an entry that is neither trainable, a buffer, nor a tied alias."""
-        groups = model0["param_shapes"]
-        groups = [groups] if isinstance(groups, dict) else groups
-        skip = {n for g in groups for n in g} | set(model0.get("buffer_names") or []) \
-            | set(model0.get("shared_params") or {})
+        groups = _shape_groups(self._models[0], "param_shapes")
+        skip = {n for g in groups for n in g} | set(_buffer_names(self._models[0])) \
+            | set(_shared_params(self._models[0]))
         home = self._models[0]
         for name, ref in model0["module"].items():
             if name in skip or not isinstance(ref, TensorRef):
@@ -246,9 +312,7 @@ class DeepSpeedSource(TensorSource):
                             {"f": (self._model_index(0), ref)}, home)
 
     def _add_trainable(self, model0: dict) -> None:
-        groups = model0["param_shapes"]
-        if isinstance(groups, dict):
-            groups = [groups]
+        groups = _shape_groups(self._models[0], "param_shapes")
         params = [[(n, math.prod(s)) for n, s in g.items()] for g in groups]
         shapes = {n: tuple(int(d) for d in s) for g in groups for n, s in g.items()}
         key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"
@@ -261,7 +325,10 @@ class DeepSpeedSource(TensorSource):
                     if len(lst) != len(params):
                         raise DeepSpeedLayoutError(f"{pt.path}: {len(lst)} fp32 partitions but the model "
                                                    f"states list {len(params)} param groups")
-                pads = osds[0].get("param_alignment_paddings")
+                pads = _paddings(osds[0].get("param_alignment_paddings"), self._optims[0].path)
+                if pads is not None and len(pads) != len(params):
+                    raise DeepSpeedLayoutError(f"{self._optims[0].path}: {len(pads)} groups of "
+                                               f"alignment paddings for {len(params)} param groups")
                 if pads is not None and not any(any(p) for p in pads):
                     pads = None  # all zero: the common case, parameters back to back
                 layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in masters], pads)
@@ -282,7 +349,8 @@ class DeepSpeedSource(TensorSource):
             found = {}
             for r, lst in enumerate(masters):
                 for g, master in enumerate(lst):
-                    ref = (inner[r].get(g) or {}).get(moment)
+                    group_state = inner[r].get(g)
+                    ref = group_state.get(moment) if isinstance(group_state, dict) else None
                     if isinstance(ref, TensorRef) and ref.numel >= master.numel:
                         found[(r, g)] = (r, ref)
             if len(found) == len(refs["master"]):  # every partition has it
