@@ -30,9 +30,6 @@ from ..source import StateMeta, TensorMeta
 FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
 # version 2 checkpoints (written before metadata checksums) stay readable
 KNOWN_VERSIONS = {"store": (MANIFEST_VERSION,), "checkpoint": (MANIFEST_VERSION, CHECKPOINT_VERSION)}
-# Ranks a manifest may declare: the parser builds a list of the ranks and, per tensor, of
-# its rows per rank, so a forged world_size of 2**31 exhausted memory. Far above any run.
-MAX_WORLD_SIZE = 1 << 17
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
 _RANK_TABLE = re.compile(r"rank(\d+)/zarr\.json")
 _SEAL = re.compile(r"[0-9a-f]{8}")
@@ -144,9 +141,6 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     world = attrs.get("world_size")
     if world is not None:
         world = _int(world, "'world_size'", where, 1)
-        if world > MAX_WORLD_SIZE:
-            raise CheckpointError(f"{where}: 'world_size' is {world}; at most {MAX_WORLD_SIZE} "
-                                  f"ranks are read")
     arrays = _parse_arrays(attrs.get("arrays"), where)
     committed = attrs.get("committed")
     checksums = None
