@@ -86,7 +86,8 @@ class RankWriter:
 
     def _create(self, name: str, numel: int, dtype: torch.dtype, chunk_bytes: int) -> FlatArray:
         return FlatArray.create(os.path.join(self.staging, name), numel, dtype, io=self.io,
-                                chunk_bytes=chunk_bytes)
+                                chunk_bytes=chunk_bytes,
+                                dimension_name=FlatArray.dimension_for(name))
 
     # -- state: the store's snapshot calls this once per bucket -------------------------------
     def sink(self, store_name: str, index: int, start: int, tensor: torch.Tensor) -> None:

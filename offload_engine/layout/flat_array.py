@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 import threading
 from typing import Iterable
@@ -74,6 +75,13 @@ class FlatArray:
         self._present: set[int] | None = None
 
     # -- construction --------------------------------------------------------------------------
+    @staticmethod
+    def dimension_for(name: str) -> str:
+        """The dimension name of the array called ``name`` in its group ("rank0/param" ->
+        "rank0_param_element"): one per array, so xarray, which aligns variables that
+        share a dimension name, opens a group whose arrays differ in length."""
+        return re.sub(r"[^A-Za-z0-9_]", "_", name) + "_element"
+
     @classmethod
     def create(cls, path: str | os.PathLike, numel: int, dtype, *,
                io: AsyncFileIO, chunk_bytes: int = DEFAULT_CHUNK_BYTES,

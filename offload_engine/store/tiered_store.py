@@ -209,7 +209,8 @@ class TieredStore:
         else:
             flat = FlatArray.create(path, arr.numel, arr.dtype, io=self.io,
                                     chunk_bytes=self.config.bucket_bytes,
-                                    attributes={"offload_engine": {"home": "nvme"}})
+                                    attributes={"offload_engine": {"home": "nvme"}},
+                                    dimension_name=FlatArray.dimension_for(arr.name))
         stripe_chunks(flat, arr.name, self._stripes)
         # asked once here (an array just made has no chunk files); from now on the store is
         # the array's only writer, so reads and writes trust this record, and the chunks
