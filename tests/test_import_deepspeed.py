@@ -93,6 +93,61 @@ def test_imported_values_are_deepspeeds_bitwise(tmp_path, run, world):
     assert summary.world_size == world and summary.step == 2
 
 
+CONSOLIDATE_FIXTURES = os.path.join(HERE, "fixtures", "deepspeed")
+
+
+@pytest.mark.parametrize("fixture", sorted(
+    d for d in os.listdir(CONSOLIDATE_FIXTURES) if os.path.isdir(os.path.join(CONSOLIDATE_FIXTURES, d))))
+def test_every_zero_layout_imports_deepspeeds_values(tmp_path, fixture):
+    """ZeRO-1, 2 and 3, fp32 and bf16, W=2 to 4, sub-groups and parameter alignment (the
+    consolidator's DeepSpeed fixtures), imported at W=3: every master, frozen parameter and
+    buffer equals DeepSpeed's own zero_to_fp32 output, bit for bit, and the moments equal
+    the rank files' (read by the DeepSpeed reader)."""
+    from safetensors.torch import load_file
+
+    src_dir = os.path.join(CONSOLIDATE_FIXTURES, fixture)
+    from_deepspeed(src_dir, str(tmp_path), 3)
+    expected = load_file(os.path.join(src_dir, "expected_zero_to_fp32.safetensors"))
+    checked = 0
+    with OursSource.open_checkpoint(str(tmp_path)) as ours, DeepSpeedSource(src_dir) as ds:
+        assert ours.manifest.world_size == 3
+        for meta in ours.tensors():
+            key = "master_param" if "master_param" in meta.states else "param"
+            got = torch.empty(meta.numel, dtype=meta.states[key].dtype.torch)
+            ours.read_state(meta.name, key, 0, got)
+            if meta.name in expected:
+                want = expected[meta.name].reshape(-1)
+                assert torch.equal(got.to(want.dtype), want), (fixture, meta.name)
+                checked += 1
+            for moment in ("exp_avg", "exp_avg_sq"):
+                if moment in meta.states:
+                    got = torch.empty(meta.numel, dtype=meta.states[moment].dtype.torch)
+                    ours.read_state(meta.name, moment, 0, got)
+                    want = torch.empty_like(got)
+                    ds.read_state(meta.name, moment, 0, want)
+                    assert torch.equal(got, want), (fixture, meta.name, moment)
+    assert checked >= len(expected) - 1  # all but a tied alias (written once, as its owner)
+
+
+def test_a_failed_import_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A read error in the middle of writing (the 5th window): the error reaches the
+    caller, and OUT holds no generation, no .partial folder and no 'latest'."""
+    calls = {"n": 0}
+    real = DeepSpeedSource.read
+
+    def failing(self, requests):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(f"{self.tag_dir}: simulated read error")
+        return real(self, requests)
+
+    monkeypatch.setattr(DeepSpeedSource, "read", failing)
+    with pytest.raises(OSError, match="simulated read error"):
+        from_deepspeed(os.path.join(FIXTURES, "zero3_w2_fp32_adamw"), str(tmp_path), 2,
+                       window_bytes=256)
+    assert os.listdir(tmp_path) == []
+
+
 def test_muon_run_keeps_deepspeeds_choice_and_reports_disagreements(tmp_path):
     """DeepSpeed's Muon records use_muon per group: the import keeps it (head.weight is
     Muon there, AdamW under our default rule) and reports that parameter, in --json too."""
