@@ -222,6 +222,17 @@ def test_nvme_offloaded_state_is_refused_naming_the_folder(tmp_path):
     _one_line_error(done, os.path.join(ck, "global_step2", "offloaded_tensors"), "NVMe")
 
 
+def test_zero2_muon_momentum_is_refused_naming_the_file(tmp_path):
+    """DeepSpeed's ZeRO-1/2 Muon keeps, per rank, the momentum of every whole parameter its
+    partition touches (rank 0: head + l1 = 976 elements, rank 1: l1 + l2 = 768, against
+    680-element partitions): not the partition layout, and not imported."""
+    ck = os.path.join(FIXTURES, "zero2_w2_fp32_muon")
+    done = run_cli("import", "deepspeed", ck, str(tmp_path / "out"), "--world-size", "2")
+    _one_line_error(done, os.path.join(ck, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                    "ZeRO-2")
+    assert not os.path.exists(tmp_path / "out" / "latest")
+
+
 def test_missing_rank_file_and_bad_options_are_refused(tmp_path):
     ck = _copy("zero2_w2_bf16_adamw", tmp_path / "ds")
     gone = os.path.join(ck, "global_step2", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")

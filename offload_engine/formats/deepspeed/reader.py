@@ -317,12 +317,12 @@ class DeepSpeedSource(TensorSource):
             for r, lst in enumerate(masters):
                 for g, master in enumerate(lst):
                     ref = (inner[r].get(g) or {}).get(moment)
-                    if isinstance(ref, TensorRef) and ref.numel >= master.numel:
-                        found[(r, g)] = (r, ref)
-                    elif isinstance(ref, TensorRef) and moment == "momentum_buffer":
+                    if moment == "momentum_buffer" and self.stage <= 2 and isinstance(ref, TensorRef):
                         # ZeRO-1/2 Muon keeps whole parameters' momentum per rank, not the
                         # partition's elements: another layout, not mapped here
-                        self._stage12_momentum = self._optims[r].path
+                        self._stage12_momentum = self._stage12_momentum or self._optims[r].path
+                    elif isinstance(ref, TensorRef) and ref.numel >= master.numel:
+                        found[(r, g)] = (r, ref)
             if moment == "momentum_buffer" and self.stage <= 2:
                 continue
             if found:
