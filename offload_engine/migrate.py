@@ -7,7 +7,7 @@
     step = load_checkpoint("ckpt/", model, opt)
     scheduler.load_state_dict(imported_state("ckpt/")["lr_scheduler"])
 
-See ``offline/ds_import.py`` and docs/checkpoint.md ("Importing a DeepSpeed checkpoint").
+See ``offline/ds_import.py`` and docs/migrate.md ("Importing a DeepSpeed checkpoint").
 """
 
 from .offline.ds_import import ImportSummary, from_deepspeed, imported_state, use_muon_rule

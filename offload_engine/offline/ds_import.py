@@ -13,7 +13,7 @@ as FSDP2 ``Shard(0)`` rows. What is imported: the fp32 masters (``param`` in the
 dtype, and ``master_param`` where that is not fp32), Adam's moments and step count, the
 momentum of DeepSpeed's ZeRO-3 Muon, the model's buffers, and, in the generation's
 attributes under ``imported``, the engine's global step and samples, the LR scheduler's
-state and DeepSpeed's param groups. See docs/checkpoint.md, "Importing a DeepSpeed
+state and DeepSpeed's param groups. See docs/migrate.md, "Importing a DeepSpeed
 checkpoint".
 """
 
