@@ -22,7 +22,7 @@ from torch import nn
 from offload_engine.formats.deepspeed import DeepSpeedSource
 from offload_engine.formats.ours import OursSource
 from offload_engine.migrate import from_deepspeed, imported_state, use_muon_rule
-from zero_muon_harness import local_rows, spawn
+from zero_muon_harness import spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "deepspeed_import")
@@ -47,6 +47,12 @@ class Tiny(nn.Module):
         self.scale.data = self.scale.float()
 
 
+def local_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's FSDP2 Shard(0) block of ``full`` (torch.chunk sizes)."""
+    chunks = list(torch.chunk(full, world, dim=0))
+    return chunks[rank] if rank < len(chunks) else full[full.shape[0]:]
+
+
 def record_of(run: str) -> dict:
     return torch.load(os.path.join(FIXTURES, run, "next_steps.pt"), weights_only=True)
 
@@ -66,6 +72,9 @@ def test_imported_values_are_deepspeeds_bitwise(tmp_path, run, world):
     tensor is written in many pieces)."""
     summary = from_deepspeed(os.path.join(FIXTURES, run), str(tmp_path), world, window_bytes=64)
     saved = record_of(run)["saved"]
+    from offload_engine.layout.manifest import CHECKPOINT_VERSION
+    with open(os.path.join(summary.generation, "zarr.json")) as f:  # what save_checkpoint writes
+        assert json.load(f)["attributes"]["format_version"] == CHECKPOINT_VERSION
     with OursSource.open_checkpoint(str(tmp_path)) as src:
         assert src.manifest.world_size == world and src.manifest.step == 2
         tensors = {t.name: t for t in src.tensors()}

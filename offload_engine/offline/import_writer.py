@@ -27,7 +27,7 @@ from ..checkpoint.rank_writer import RankWriter
 from ..checkpoint.save import CHUNK_BYTES, COMMIT_TIMEOUT_S, array_name, commit_generation
 from ..layout import create_group
 from ..layout.generations import PARTIAL, generation_name
-from ..layout.manifest import (CHECKPOINT_FORMAT, MANIFEST_VERSION, fsdp_rows, rank_group,
+from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, fsdp_rows, rank_group,
                                shard_entry, tensor_entry, tensor_rows, write_shard_table)
 from ..units import MiB
 from .import_plan import TensorPlan
@@ -175,6 +175,6 @@ def _manifest(plans: list[TensorPlan], step: int, world: int, extra: dict) -> di
         if plan.kind == "buffer":
             entry["buffer"] = True
         tensors[plan.name] = entry
-    return {"format": CHECKPOINT_FORMAT, "format_version": MANIFEST_VERSION, "step": step,
+    return {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "step": step,
             "world_size": world, "tensors": tensors,
             "buffers_saved": any(p.kind == "buffer" for p in plans), **extra}
