@@ -24,6 +24,7 @@ COMMANDS = {
     "diff": "diff",
     "export": "export",
     "config": "config",
+    "import": "import_",
 }
 
 

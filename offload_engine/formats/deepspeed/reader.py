@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 
 from ...dtypes import DType
 from ...io.align import as_byte_view
@@ -40,6 +41,10 @@ from .partitions import Piece, PartitionError, fragments_layout, zero3_layout, z
 from .scatter_read import ScatterReader, Segment, segment_wants
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# what the wrapped optimizer keeps per partition element: Adam's moments, and the momentum of
+# DeepSpeed's ZeRO-3 Muon (MuonWithAuxAdam: ``state[sub-group]["momentum_buffer"]``, laid out
+# like the sub-group's fp32 partition, in the communication dtype)
+OPTIMIZER_STATES = MOMENTS + ("momentum_buffer",)
 
 
 def _as_int(value, what: str, path: str) -> int:
@@ -147,6 +152,30 @@ def _optimizer_kind(param_groups, has_second_moment: bool) -> str | None:
     return "adam"
 
 
+def _group_of_source(param_groups) -> dict[int, dict]:
+    """{flat group or ZeRO-3 sub-group index: the saved param group that holds it}."""
+    out = {}
+    for group in param_groups or []:
+        if isinstance(group, dict):
+            for index in group.get("params") or []:
+                if isinstance(index, int):
+                    out[index] = group
+    return out
+
+
+def _step_value(pt: PtFile, step) -> float | None:
+    """Adam's step count as saved: an int, or a one-element tensor (torch.optim.AdamW)."""
+    if isinstance(step, (int, float)) and not isinstance(step, bool):
+        return float(step)
+    if isinstance(step, TensorRef) and step.numel == 1 and step.dtype.kind == "float":
+        offset, nbytes = pt.tensor_span(step)
+        with open(pt.path, "rb") as f:
+            raw = os.pread(f.fileno(), nbytes, offset)
+        fmt = {4: "<f", 8: "<d"}.get(nbytes)
+        return float(struct.unpack(fmt, raw)[0]) if fmt and len(raw) == nbytes else None
+    return None
+
+
 class DeepSpeedSource(TensorSource):
     """Tensors of a DeepSpeed checkpoint folder, read lazily by element range.
 
@@ -189,6 +218,9 @@ class DeepSpeedSource(TensorSource):
         # shown in summaries: a string as it is, anything else as a bounded repr
         self.ds_version = version if isinstance(version, str) and len(version) <= 100 else short_repr(version)
         self.global_steps = model0.get("global_steps")
+        # the engine's own progress, as saved (plain values: the LR scheduler's state_dict)
+        self.run_state = {k: model0.get(k) for k in ("global_steps", "global_samples",
+                                                     "skipped_steps", "lr_scheduler")}
         if model0.get("ds_autoep_layers") or model0.get("autoep_layers"):
             # expert parameters are partitioned over expert groups, not the data-parallel
             # world: merging them like the rest would give wrong tensors
@@ -345,21 +377,33 @@ class DeepSpeedSource(TensorSource):
             state, param_groups = _inner_state(osd, self.stage)
             inner.append(state)
             hyper = hyper or param_groups
-        for moment in MOMENTS:
+        self.param_groups = hyper or []
+        self._stage12_momentum = None
+        for moment in OPTIMIZER_STATES:
             found = {}
             for r, lst in enumerate(masters):
                 for g, master in enumerate(lst):
                     group_state = inner[r].get(g)
                     ref = group_state.get(moment) if isinstance(group_state, dict) else None
-                    if isinstance(ref, TensorRef) and ref.numel >= master.numel:
+                    if moment == "momentum_buffer" and self.stage <= 2 and isinstance(ref, TensorRef):
+                        # ZeRO-1/2 Muon keeps whole parameters' momentum per rank, not the
+                        # partition's elements: another layout, not mapped here
+                        self._stage12_momentum = self._stage12_momentum or self._optims[r].path
+                    elif isinstance(ref, TensorRef) and ref.numel >= master.numel:
                         found[(r, g)] = (r, ref)
-            if len(found) == len(refs["master"]):  # every partition has it
+            if moment == "momentum_buffer" and self.stage <= 2:
+                continue
+            if found:
                 refs[moment] = found
         states_of: dict[str, dict[str, StateMeta]] = {name: {} for name in layout}
         for state, by_src in refs.items():
+            # a state covers the tensors whose every piece lies in a partition that holds it
+            # (a Muon run: momentum_buffer in the Muon sub-groups, the moments in the others)
+            covered = {name: pieces for name, pieces in layout.items()
+                       if all(p.src in by_src for p in pieces)}
             try:
                 found = {name: self._segments_of(name, state, pieces, by_src, home)
-                         for name, pieces in layout.items()}
+                         for name, pieces in covered.items()}
             except (DeepSpeedLayoutError, CheckpointFileError) as e:
                 if state == "master":
                     raise
@@ -371,9 +415,25 @@ class DeepSpeedSource(TensorSource):
             for name, (dtype, per_rank) in found.items():
                 states_of[name][state] = StateMeta(dtype, math.prod(shapes[name]), per_rank)
         self.optimizer = _optimizer_kind(hyper, all("exp_avg_sq" in s for s in states_of.values()))
-        for name in layout:
-            self._tensors.append(TensorMeta(name, shapes[name], states_of[name]["master"].dtype,
-                                            self.optimizer, states_of[name]))
+        group_of = _group_of_source(hyper)
+        for name, pieces in layout.items():
+            states = states_of[name]
+            kind = "muon" if "momentum_buffer" in states else (
+                self.optimizer or ("adamw" if "exp_avg_sq" in states else None))
+            meta = TensorMeta(name, shapes[name], states["master"].dtype, kind, states)
+            if pieces:  # what the optimizer recorded for this parameter's group
+                src = pieces[0].src
+                group = group_of.get(src[1])
+                if group is not None and "use_muon" in group:
+                    meta.extra["use_muon"] = bool(group["use_muon"])
+                if group is not None:
+                    meta.extra["group"] = hyper.index(group)
+                group_state = inner[src[0]].get(src[1])
+                step = _step_value(self._optims[src[0]], group_state.get("step")
+                                   if isinstance(group_state, dict) else None)
+                if step is not None and "exp_avg" in meta.states:
+                    meta.extra["adam_step"] = step
+            self._tensors.append(meta)
 
     def _forget(self, state: str) -> None:
         """Drop every segment of ``state`` (it could not be mapped for some tensor)."""
@@ -423,6 +483,12 @@ class DeepSpeedSource(TensorSource):
     @property
     def reader(self) -> ScatterReader:
         return self._reader
+
+    @property
+    def stage12_momentum(self) -> str | None:
+        """The rank file holding ZeRO-1/2 Muon momentum (whole parameters per rank, a layout
+        this reader does not map), or None."""
+        return self._stage12_momentum
 
     def describe(self) -> str:
         return (f"DeepSpeed ZeRO-{self.stage} checkpoint {self.tag_dir} (world size {self.world_size}"

@@ -1,0 +1,70 @@
+"""``offload-engine import deepspeed CKPT OUT --world-size N``: a DeepSpeed ZeRO-1/2/3 run
+as one of our checkpoints, to resume with ZeroMuon (``offline/ds_import.py``).
+
+Exit codes: 0 written and committed, 2 bad input (a missing, corrupt or unsupported
+checkpoint, a bad option), printed as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..offline.hf_shards import parse_size
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "import", help="bring another framework's checkpoint over (import deepspeed)",
+        description="Write another framework's training checkpoint as an offload-engine "
+                    "checkpoint that load_checkpoint resumes, one subcommand per framework.")
+    sub = p.add_subparsers(dest="import_command", required=True, metavar="FORMAT")
+    d = sub.add_parser(
+        "deepspeed", help="a DeepSpeed ZeRO-1/2/3 checkpoint (AdamW or ZeRO-3 Muon runs)",
+        description="Write a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 or bf16; AdamW, or "
+                    "MuonWithAuxAdam at ZeRO-3) as an offload-engine checkpoint for ZeroMuon "
+                    "at --world-size ranks: fp32 masters, Adam moments and steps, Muon "
+                    "momentum, buffers, and the global step and LR scheduler state. Which "
+                    "parameters use Muon comes from the checkpoint where it records it, else "
+                    "from ZeroMuon's default rule; where the two differ, a line per "
+                    "parameter. Streams with bounded memory; deepspeed is not needed and no "
+                    "code from the pickles runs.")
+    d.add_argument("ckpt", metavar="CKPT", help="DeepSpeed checkpoint folder (the one holding "
+                                                "'latest' and the tag folders)")
+    d.add_argument("out", metavar="OUT", help="checkpoint folder to write the generation into "
+                                              "(created; a committed generation of the same "
+                                              "step is never replaced)")
+    d.add_argument("--world-size", type=int, required=True, metavar="N",
+                   help="ranks of the ZeroMuon run that resumes it")
+    d.add_argument("--tag", help="tag folder to read (default: the content of CKPT/latest)")
+    d.add_argument("--model-config", metavar="CONFIG_JSON",
+                   help="the model's Hugging Face config.json: its torch_dtype is the "
+                        "parameters' dtype (default: bf16 for a bf16 run, else fp32)")
+    d.add_argument("--window-size", default="32MiB",
+                   help="bytes read from the DeepSpeed files at a time (default: 32MiB)")
+    d.add_argument("--json", action="store_true",
+                   help="print one JSON object: the summary, disagreements included")
+    d.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..offline.ds_import import from_deepspeed
+
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, not {args.world_size}")
+    summary = from_deepspeed(args.ckpt, args.out, args.world_size, tag=args.tag,
+                             model_config=args.model_config,
+                             window_bytes=parse_size(args.window_size))
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2))
+        return 0
+    for d in summary.disagreements:
+        print(f"disagreement: {d.line()}", file=sys.stderr)
+    for note in summary.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"{summary.source}: wrote {summary.generation} for {summary.world_size} ranks "
+          f"(step {summary.step}; {len(summary.muon)} Muon, {len(summary.adamw)} AdamW, "
+          f"{len(summary.other)} other tensors; {summary.bytes_written} bytes)")
+    return 0

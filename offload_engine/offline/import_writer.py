@@ -1,0 +1,180 @@
+"""Write an imported checkpoint generation with the checkpoint layer's own writer.
+
+Nothing here knows the on-disk format: each target rank's arrays are written by
+``checkpoint.rank_writer.RankWriter`` (page-aligned staging blocks, O_DIRECT, crc32c of
+every chunk), its shard table by ``layout.manifest``, and rank 0's manifest and the commit
+(fsync, atomic rename of ``<gen>.partial``, ``latest``) by ``checkpoint.save``'s commit, so
+an imported generation is written exactly as ``save_checkpoint`` writes one.
+
+What differs is where the bytes come from: every array is a *packed* array (as
+``save_checkpoint`` packs parameters): a rank's rows of each tensor back to back, one array
+per state and dtype, filled by reading windows of at most ``window_bytes`` from the source.
+Memory: a window at a time (two with its read-ahead), plus the writer's 32 MiB of staging.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+from ..checkpoint.commit import report_done, report_failed
+from ..checkpoint.generations import prepare_staging
+from ..checkpoint.rank_writer import RankWriter
+from ..checkpoint.save import CHUNK_BYTES, COMMIT_TIMEOUT_S, array_name, commit_generation
+from ..layout import create_group
+from ..layout.generations import PARTIAL, generation_name
+from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, fsdp_rows, rank_group,
+                               shard_entry, tensor_entry, tensor_rows, write_shard_table)
+from ..units import MiB
+from .import_plan import TensorPlan
+
+WINDOW_BYTES = 32 * MiB  # bytes read from the source per window
+
+# read(tensor plan, state key, first element, elements) -> a 1-D CPU torch tensor of the
+# state's dtype
+Reader = Callable[[TensorPlan, str, int, int], object]
+
+
+@dataclass
+class Written:
+    """The committed generation and what went into it."""
+
+    path: str
+    bytes_written: int
+
+
+def rows_per_rank(plan: TensorPlan, world: int) -> tuple[int, ...]:
+    """Rows each target rank holds: FSDP2 ``Shard(0)`` for parameters (what ZeroMuon over
+    an FSDP2 model keeps), all on rank 0 for buffers (as ``save_checkpoint`` saves them)."""
+    rows = tensor_rows(plan.shape)
+    if plan.kind == "buffer":
+        return (rows,) + (0,) * (world - 1)
+    return fsdp_rows(rows, world)
+
+
+def _row_numel(shape) -> int:
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+class _ReadAhead:
+    """Reads the windows of one rank in the order the writer asks for them, one ahead on
+    a helper thread, so that reading the source overlaps writing the target."""
+
+    def __init__(self, jobs: list, read: Reader):
+        self._jobs = jobs
+        self._read = read
+        self._next = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="oe-import-read")
+        self._pending = self._submit(0)
+
+    def _submit(self, i: int):
+        return self._pool.submit(self._read, *self._jobs[i]) if i < len(self._jobs) else None
+
+    def source(self, index: int):
+        """The callable the writer calls for job ``index`` (called in job order)."""
+        def get():
+            if index != self._next:
+                raise AssertionError(f"import window {index} asked for before window {self._next}")
+            data = self._pending.result()
+            self._next += 1
+            self._pending = self._submit(self._next)
+            return data
+        return get
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pool.shutdown(wait=True)
+
+
+def _rank_layout(plans: list[TensorPlan], rank: int, world: int, window_bytes: int):
+    """This rank's packed arrays, its shard table, and the read jobs in write order."""
+    arrays: dict[str, tuple] = {}   # array name -> (dtype, numel)
+    shards, entries = {}, []        # entries: (array, offset, tensor plan, state key, lo, n)
+    for plan in plans:
+        held = rows_per_rank(plan, world)
+        rows = held[rank]
+        if rows == 0:
+            continue
+        row_start = sum(held[:rank])
+        per_row = _row_numel(plan.shape)
+        first, numel = row_start * per_row, rows * per_row
+        where = {}
+        for state in plan.states:
+            kind = "buffer" if plan.kind == "buffer" else state.key
+            name = array_name(rank, kind, state.dtype.torch)
+            dtype, used = arrays.get(name, (state.dtype.torch, 0))
+            arrays[name] = (dtype, used + numel)
+            where[state.key] = (name, used)
+            step = max(1, window_bytes // state.dtype.itemsize)
+            for lo in range(0, numel, step):
+                entries.append((name, used + lo, plan, state.key, first + lo, min(step, numel - lo)))
+        shards[plan.name] = shard_entry(row_start, rows, numel, where)
+    entries.sort(key=lambda e: (e[0], e[1]))  # the order RankWriter.write_params writes in
+    return arrays, shards, entries
+
+
+def write_generation(out_dir: str, step: int, world: int, plans: list[TensorPlan], read: Reader,
+                     extra_attrs: dict, window_bytes: int = WINDOW_BYTES,
+                     chunk_bytes: int = CHUNK_BYTES, progress=None) -> Written:
+    """Write and commit generation ``step-<step>`` of ``plans`` for ``world`` ranks under
+    ``out_dir``. ``extra_attrs`` join the manifest. ``progress(rank, bytes)`` after each
+    rank. A failure leaves no ``.partial`` folder behind and nothing committed."""
+    name = generation_name(step)
+    final = os.path.join(out_dir, name)
+    staging = final + PARTIAL
+    problem = prepare_staging(out_dir, final, staging, step)
+    if problem is not None:
+        raise problem
+    written = 0
+    try:
+        for rank in range(world):
+            arrays, shards, entries = _rank_layout(plans, rank, world, window_bytes)
+            create_group(os.path.join(staging, rank_group(rank)), {})
+            write_shard_table(staging, rank, shards)
+            ahead = _ReadAhead([(e[2], e[3], e[4], e[5]) for e in entries], read)
+            try:
+                params = [(f"{e[2].name}/{e[3]}", ahead.source(i), e[0], e[1])
+                          for i, e in enumerate(entries)]
+                writer = RankWriter(staging, rank, arrays, params, {}, chunk_bytes)
+                try:
+                    writer.write_params()
+                    summary = writer.finish()
+                except BaseException:
+                    writer.close()
+                    raise
+            finally:
+                ahead.close()
+            summary["adam_steps"] = {p.name: p.adam_step for p in plans
+                                     if p.adam_step is not None and shards.get(p.name)}
+            report_done(staging, rank, summary)
+            written += writer.bytes_written
+            if progress:
+                progress(rank, written)
+        commit_generation(out_dir, staging, final, _manifest(plans, step, world, extra_attrs),
+                          world, COMMIT_TIMEOUT_S)
+    except BaseException as e:
+        report_failed(staging, 0, e)
+        shutil.rmtree(staging, ignore_errors=True)  # ours, never committed: nothing to keep
+        raise
+    return Written(final, written)
+
+
+def _manifest(plans: list[TensorPlan], step: int, world: int, extra: dict) -> dict:
+    """Rank 0's attributes but for what the ranks report (arrays, checksums, steps), as
+    ``save_checkpoint`` builds them: the tensor table, then step, world size, buffers."""
+    tensors = {}
+    for plan in plans:
+        entry = tensor_entry(plan.shape, plan.dtype.name, plan.optimizer,
+                             {s.key: s.dtype.name for s in plan.states},
+                             rows_per_rank(plan, world), world)
+        if plan.kind == "buffer":
+            entry["buffer"] = True
+        tensors[plan.name] = entry
+    return {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "step": step,
+            "world_size": world, "tensors": tensors,
+            "buffers_saved": any(p.kind == "buffer" for p in plans), **extra}
