@@ -264,8 +264,12 @@ except BaseException as e:
     outcome = f"{type(e).__name__}: {str(e)[:200]}"
 if dtypes.FLOAT32.itemsize != 4:
     outcome += f" [float32 itemsize is now {dtypes.FLOAT32.itemsize} in this process]"
+# VmHWM: this process's own peak since exec. ru_maxrss keeps the forking parent's peak across
+# exec on Linux: a child of a large pytest process would report the parent's size.
+with open("/proc/self/status") as f:
+    hwm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
 print(json.dumps({"outcome": outcome, "seconds": round(time.perf_counter() - t, 2),
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss": hwm}))
 """
 
 
