@@ -65,7 +65,7 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module | None = None, optimiz
     # reader: a damaged byte anywhere stops the load, and the tables are read once)
     with OursSource.open_checkpoint(ckpt_dir, tag, window_bytes=WINDOW_BYTES, depth=2,
                                     io_threads=4, verify_all_metadata=rank == 0) as src:
-        buffers = _buffers_to_restore(src, model)
+        buffers = _buffers_to_restore(src, model, strict or opt is not None)
         if opt is not None:
             _load_optimizer(src, opt, params=model is not None)
         if model is not None:
@@ -125,19 +125,24 @@ def src_rank(info) -> int:
     return rank if info.distributed else 0
 
 
-def _buffers_to_restore(src: OursSource, model) -> dict[str, torch.Tensor]:
+def _buffers_to_restore(src: OursSource, model, strict: bool = True) -> dict[str, torch.Tensor]:
     """The model's persistent buffers, checked against those the checkpoint saved (none
-    for a checkpoint written before buffers were saved, or without a model)."""
+    for a checkpoint written before buffers were saved, or without a model); not
+    ``strict``: those both have, the others are left alone."""
     gen = src.group
     if model is None or not src.manifest.extra.get("buffers_saved"):
         return {}
     model_buffers = persistent_buffers(model)
     saved = {t.name: t for t in src.tensors() if t.kind == "buffer"}
     missing, extra = sorted(set(model_buffers) - set(saved)), sorted(set(saved) - set(model_buffers))
+    if not strict:
+        model_buffers = {k: v for k, v in model_buffers.items() if k in saved}
+        missing = extra = []
     if missing:
         raise CheckpointError(f"{gen}: the checkpoint has no buffer {missing[0]!r} of the model")
     if extra:
-        raise CheckpointError(f"{gen}: the checkpoint's buffer {extra[0]!r} is not in the model")
+        raise CheckpointError(f"{gen}: the checkpoint's buffer {extra[0]!r} is not in the model"
+                              " (a model-only load ignores it with strict=False)")
     for name, buf in model_buffers.items():
         meta = saved[name]
         mine = dtypes.dtype(buf.dtype)

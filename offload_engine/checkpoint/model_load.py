@@ -60,7 +60,8 @@ def load_model_tensors(src: OursSource, model: torch.nn.Module, skip: set[int] =
                        strict: bool = True) -> None:
     """Every parameter of ``model`` but those whose id is in ``skip`` (the optimizer's,
     loaded with their state), this rank's rows, from ``src``. ``strict``: every parameter
-    of the checkpoint must be one of the model's. CheckpointError naming the generation
+    of the checkpoint must be one of the model's and every one of the model's in the
+    checkpoint (else those both have are loaded). CheckpointError naming the generation
     and the parameter for a missing one or another shape or dtype."""
     gen = src.group
     tensors = {t.name: t for t in src.tensors() if t.kind in ("param", "frozen")}
@@ -74,6 +75,8 @@ def load_model_tensors(src: OursSource, model: torch.nn.Module, skip: set[int] =
         if id(p) in skip:
             continue
         if meta is None:
+            if not strict and not skip:
+                continue
             if skip and not frozen_saved:  # written before frozen parameters were saved
                 log.warning("%s: saved without the parameters outside the optimizer; %s keeps "
                             "its values", gen, names[0])
