@@ -68,7 +68,8 @@ def train_and_save(rank, world, mesh, tmp):
                                             run_check=False, shape=p.shape, stride=p.stride())
         opt.step()
         model.stats.add_(step + 1.5)
-    save_checkpoint(os.path.join(tmp, "ck"), model, opt, 2)
+    save_checkpoint(os.path.join(tmp, "ck"), model, opt, 2, extra={"user": {"rank": rank}})
+    torch.save(torch.rand(3), os.path.join(tmp, f"draw-{rank}.pt"))  # what a restored RNG draws next
     reference = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         save_file({k: v.contiguous() for k, v in reference.items() if k != "lm_head.weight"},
@@ -79,7 +80,16 @@ def train_and_save(rank, world, mesh, tmp):
 def load_sharded(rank, world, mesh, tmp):
     model = build(seed=rank + 50)
     shard(model, mesh)
-    assert load_checkpoint(os.path.join(tmp, "ck"), model) == 2  # model only, W=3
+    user = {}
+    # model only, at W=3, with the extra state and RNG states asked for: ranks 0 and 1 get
+    # their own; rank 2 (beyond the saved world size) gets rank 0's extra, keeps its RNG
+    assert load_checkpoint(os.path.join(tmp, "ck"), model, extra={"user": user}, rng=True) == 2
+    assert user == {"rank": rank if rank < 2 else 0}
+    draw = torch.rand(3)
+    if rank < 2:
+        assert torch.equal(draw, torch.load(os.path.join(tmp, f"draw-{rank}.pt")))
+    else:
+        assert not torch.equal(draw, torch.load(os.path.join(tmp, "draw-0.pt")))
     want = load_file(os.path.join(tmp, "reference.safetensors"))
     for name, p in model.named_parameters():
         assert torch.equal(p.to_local(), local_part(want[name], p)), (rank, name)
