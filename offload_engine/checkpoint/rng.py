@@ -1,6 +1,7 @@
 """The random number generators a training step draws from, per rank: Python's ``random``,
 numpy's global generator (where numpy is installed), torch's CPU generator and, where CUDA
-is available, every CUDA device's generator. Captured when a checkpoint is saved and set
+is available, the generator of the process's current CUDA device (one device per rank, as
+FSDP2 runs are laid out; reading every device's would create a CUDA context on each). Captured when a checkpoint is saved and set
 back when it is loaded, so dropout, random augmentation and shuffling continue the same
 sequence as a run that never stopped.
 
@@ -19,13 +20,13 @@ log = logging.getLogger(__name__)
 
 def capture_rng() -> dict:
     """This process's generator states now: ``{"python", "numpy", "torch", "cuda"}``
-    (numpy and cuda only where present; cuda is a list, one state per device)."""
+    (numpy and cuda only where present; cuda: the current device's)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     np = _numpy()
     if np is not None:
         state["numpy"] = np.random.get_state()
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -54,13 +55,13 @@ def restore_rng(state: dict, where: str) -> None:
     if torch.cuda.is_available():
         saved = state.get("cuda")
         if saved is None:
-            log.warning("%s: saved without CUDA: the CUDA generators are left as they are", where)
-        elif len(saved) != torch.cuda.device_count():
-            log.warning("%s: %d CUDA generator states saved, %d devices here: the CUDA "
-                        "generators are left as they are", where, len(saved),
-                        torch.cuda.device_count())
+            log.warning("%s: saved without CUDA: the CUDA generator is left as it is", where)
         else:
-            torch.cuda.set_rng_state_all(saved)
+            try:
+                torch.cuda.set_rng_state(saved)
+            except (TypeError, RuntimeError) as e:
+                raise ValueError(f"{where}: the saved CUDA RNG state cannot be restored "
+                                 f"({e})") from None
 
 
 def _numpy():
