@@ -288,3 +288,26 @@ def test_a_version_3_checkpoint_from_before_still_loads(tmp_path):
         load_checkpoint(ck, model, extra={"user": {}})
     sd = get_fp32_state_dict(ck)
     assert all(torch.equal(sd[k], want[k]) for k in want)
+
+
+def test_safe_state_round_trips_every_allowed_type_and_refuses_forged_values():
+    from offload_engine.checkpoint.safe_state import decode, encode
+    value = {"i": 2**70, "f": -0.0, "nan": float("nan"), "s": "x", "n": None, "b": True,
+             "l": [1, (2, 3)], "t": torch.arange(6, dtype=torch.bfloat16).view(2, 3),
+             "e": torch.empty(0, 4), "a": np.arange(3, dtype=np.uint32), "g": np.float64(2.5),
+             "__dict__": {1: "int key", (2, "x"): [], None: 0}}
+    doc = json.loads(json.dumps(encode(value, "v"), allow_nan=False))  # strict JSON
+    back = decode(doc, "v")
+    assert back["i"] == 2**70 and str(back["f"]) == "-0.0" and back["nan"] != back["nan"]
+    assert back["l"] == [1, (2, 3)] and back["__dict__"] == value["__dict__"]
+    assert back["t"].dtype == torch.bfloat16 and torch.equal(back["t"], value["t"])
+    assert back["e"].shape == (0, 4) and back["a"].dtype == np.uint32
+    assert isinstance(back["g"], np.float64) and back["g"] == 2.5
+    for forged, why in [({"__tensor__": {"dtype": "uint8", "shape": [4], "data": "AAA="}}, "needs 4 bytes"),
+                        ({"__tensor__": {"dtype": "object", "shape": [], "data": ""}}, "unknown tensor dtype"),
+                        ({"__ndarray__": {"dtype": "O", "shape": [1], "data": ""}}, "not a number type"),
+                        ({"__float__": "1e999"}, "must be nan, inf or -inf"),
+                        ({"__tensor__": {"dtype": "uint8", "shape": [-1], "data": ""}}, "shape must be"),
+                        ({"__dict__": [[[1], 2]]}, "cannot be a dict key")]:
+        with pytest.raises(ValueError, match=why):
+            decode(forged, "v")

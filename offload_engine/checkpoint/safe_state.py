@@ -53,6 +53,9 @@ def encode(value, where: str, budget: _Budget | None = None):
     budget = budget or _Budget()
     if value is None or isinstance(value, (bool, str)):
         return value
+    np = _numpy()
+    if np is not None and isinstance(value, (np.ndarray, np.generic)):  # before float: np.float64 is one
+        return {"__ndarray__": _ndarray(np, value, where, budget)}
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
@@ -68,9 +71,6 @@ def encode(value, where: str, budget: _Budget | None = None):
                               encode(v, f"{where}[{k!r}]", budget)] for k, v in value.items()]}
     if isinstance(value, torch.Tensor):
         return {"__tensor__": _tensor(value, where, budget)}
-    np = _numpy()
-    if np is not None and isinstance(value, (np.ndarray, np.generic)):
-        return {"__ndarray__": _ndarray(np, value, where, budget)}
     raise TypeError(f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
                     "stored safely in a checkpoint (no pickle). Allowed: None, bool, int, float, "
                     "str, list, tuple, dict, torch.Tensor, numpy arrays; give the object a "
