@@ -130,8 +130,8 @@ def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "ch
     "optimizer": "muon" | "adamw" | None, "states": {state: tensor or torch dtype}}}``.
     A state given as a tensor (the full, unsharded value) is written; given as a dtype,
     only the manifest and array metadata are (``data=False`` does this for all: chunk
-    files absent, reading as zeros). A checkpoint is written in ``format_version``: 3
-    records the crc32c of every metadata file and seals the manifest, 2 (what earlier
+    files absent, reading as zeros). A checkpoint is written in ``format_version``: 3 and 4
+    record the crc32c of every metadata file and seals the manifest, 2 (what earlier
     releases wrote) does not. Returns the group's attributes as written.
     """
     own_io = io is None
@@ -154,7 +154,7 @@ def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "ch
                  "format_version": format_version if kind == "checkpoint" else MANIFEST_VERSION,
                  "arrays": plan.arrays, "world_size": world_size, "step": step,
                  "tensors": plan.tensors}
-        sealed = kind == "checkpoint" and format_version >= CHECKPOINT_VERSION
+        sealed = kind == "checkpoint" and format_version >= 3  # sealed since version 3
         if kind == "checkpoint":
             for flat in flats.values():
                 flat.sync().result()

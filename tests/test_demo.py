@@ -12,6 +12,7 @@ def test_demo_runs_end_to_end_at_a_tiny_size(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli_main(["demo", "--model", "tiny", "--steps", "6", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
+    assert "LR schedule, data sampler and RNG states (dropout) restored" in out
     assert "losses bitwise equal to the killed run's" in out
     assert "equals the uninterrupted run bit for bit" in out
     assert "verified: every tensor" in out

@@ -27,6 +27,8 @@ def test_python_examples_run(doc, capsys):
         assert "[2.71 2.71 2.71 2.71]" in out
     if doc == "checkpoint.md":
         assert "3 True" in out.splitlines()               # the resumed run is bit for bit
+        lines = out.splitlines()                          # tags, keep_last, weights only
+        assert lines[1:4] == ["['best', 'latest', 'step-00000003', 'step-00000004']", "4", "True"]
         assert out.strip().splitlines()[-2:] == [
             "step-00000003 ['bytes', 'call_s', 'inline_copies', 'params_s', 'seconds', "
             "'state_buckets', 'step_waited_s', 'written_s']", "True"]

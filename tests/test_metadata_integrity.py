@@ -205,7 +205,7 @@ def test_real_save_checksums_all_its_metadata(tmp_path, capsys):
     with open(os.path.join(gen, "zarr.json"), "rb") as f:
         raw = f.read()
     attrs = json.loads(raw)["attributes"]
-    assert attrs["format_version"] == 3 and raw.endswith(b'"}}\n')
+    assert attrs["format_version"] == 4 and raw.endswith(b'"}}\n')
     on_disk = {os.path.relpath(f, gen) for f in metadata_files(ck)} - {"zarr.json",
                                                                      os.path.join("..", "latest")}
     assert set(attrs["metadata_checksums"]) == on_disk

@@ -7,7 +7,9 @@ parses the shard tables of the saved ranks that hold them (at the same world siz
 and rank 0's) and verifies the crc32c of every chunk it reads. Parameters are written into
 the model in place (straight into the parameter's memory where it is a contiguous CPU
 tensor), one parameter at a time; state goes into the optimizer's store; every rank copies
-the persistent buffers from rank 0's shard.
+the persistent buffers from rank 0's shard. Parameters the optimizer does not hold (frozen,
+or every parameter of a model-only load) are read by ``model_load.py``; the per-rank
+extra state and RNG states by ``training_state.py``.
 """
 
 from __future__ import annotations
@@ -20,90 +22,127 @@ from ..formats.ours import OursSource
 from ..formats.source import ReadRequest
 from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
 from .buffers import persistent_buffers
+from .model_load import load_model_tensors, read_into as _read_into
 from .pending import finish_previous
 from .save import _collective, param_name
+from .supported import check_optimizer
+from .training_state import restore_training_state
 from ..units import MiB
 
 WINDOW_BYTES = 8 * MiB  # bytes per checksummed read window
 
 
 @torch.no_grad()
-def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str | None = None) -> int:
-    """Restore parameters, persistent buffers and optimizer state from ``ckpt_dir`` (the
-    ``latest`` generation, or ``tag``); returns the step it was saved at. Raises
-    CheckpointError (naming the file) for a missing, torn or corrupt checkpoint or one of
-    another model."""
-    finish_previous(optimizer)  # a save in progress reads the parameters this overwrites
+def load_checkpoint(ckpt_dir: str, model: torch.nn.Module | None = None, optimizer=None,
+                    tag: str | None = None, *, extra: dict | None = None,
+                    rng: bool | None = None, strict: bool = True) -> int:
+    """Restore what generation ``tag`` of ``ckpt_dir`` (default: the one ``latest`` names)
+    holds into what is passed; returns the step it was saved at. Collective: every rank
+    calls it.
+
+    - ``model`` and ``optimizer`` (a ZeroMuon): a resume. Parameters, optimizer state,
+      frozen parameters, persistent buffers, and (``rng`` None or True) each rank's RNG
+      states.
+    - ``model`` alone: its weights (frozen ones too) and buffers, at any world size, into
+      an FSDP2 or a plain model; ``strict``: every tensor of the checkpoint must be one of
+      the model's.
+    - ``optimizer`` alone: its state and hyperparameters; the parameters are left as they
+      are.
+    - ``extra``: ``{name: object}`` as saved: each gets its state back
+      (``load_state_dict``; a dict is refilled in place).
+
+    Raises CheckpointError (naming the file) for a missing, torn or corrupt checkpoint or
+    one of another model; TypeError for an optimizer other than ZeroMuon."""
+    opt = check_optimizer(optimizer, "load_checkpoint", allow_none=True)
+    if model is None and opt is None:
+        raise ValueError("load_checkpoint: pass a model, an optimizer or both")
+    if opt is not None:
+        finish_previous(opt)  # a save in progress reads the parameters this overwrites
+    if rng is None:
+        rng = model is not None and opt is not None
     rank, _, _ = _collective()
-    opt = optimizer
     # every rank checks the metadata files it reads; rank 0 checks all of them (one
     # reader: a damaged byte anywhere stops the load, and the tables are read once)
     with OursSource.open_checkpoint(ckpt_dir, tag, window_bytes=WINDOW_BYTES, depth=2,
                                     io_threads=4, verify_all_metadata=rank == 0) as src:
-        gen = src.group
-        tensors = {t.name: t for t in src.tensors()}
-        wanted = []  # (info, tensor meta, first element of this rank's rows)
-        for info in opt.infos:
-            pname = param_name(info)
-            meta = tensors.get(pname)
-            if meta is None:
-                raise CheckpointError(f"{gen}: the checkpoint has no parameter {pname!r}")
-            mine = dtypes.dtype(info.dtype)
-            if meta.shape != tuple(info.shape) or meta.dtype != mine:
-                raise CheckpointError(
-                    f"{gen}: parameter {pname} is {meta.dtype} {list(meta.shape)} in the "
-                    f"checkpoint but {mine} {list(info.shape)} in the model")
-            r = rank if info.distributed else 0
-            wanted.append((info, meta, info.row_offset(r) * info.row_numel))
-        buffers = _buffers_to_restore(src, model)
-
-        for info, meta, start in wanted:
-            pname = param_name(info)
-            _read_into(src, pname, "param", start, local_param(info).view(-1))
-            saved = [k for k in meta.states if k != "param"]
-            if not saved:
-                continue
-            for key in param_state_arrays(opt, info):
-                if key not in meta.states:
-                    raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
-                n = local_param(info).numel()
-                value = torch.empty(n, dtype=meta.states[key].dtype.torch)
-                src.read([ReadRequest(pname, start, value, key)])
-                write_param_state(opt, info, key, value)
-            mark_restored(opt, info, meta.extra.get("adam_step"))
+        buffers = _buffers_to_restore(src, model, strict or opt is not None)
+        if opt is not None:
+            _load_optimizer(src, opt, params=model is not None)
+        if model is not None:
+            held = {id(i.param) for i in opt.infos} if opt is not None else set()
+            load_model_tensors(src, model, skip=held, strict=strict and opt is None)
         for name, buf in buffers.items():  # whole on every rank, from rank 0's copy
             _read_into(src, name, "param", 0, buf.view(-1) if buf.is_contiguous() else buf)
-        for saved, group in zip(src.manifest.extra.get("param_groups", []), opt.param_groups):
-            for k, v in saved.items():
-                if k in group and k != "use_muon":
-                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        if extra or rng:
+            restore_training_state(src, rank, extra, rng)
         return int(src.manifest.step)
 
 
-def _read_into(src: OursSource, name: str, state: str, start: int, target: torch.Tensor) -> None:
-    """Elements ``[start, start + target.numel())`` of ``name``'s ``state`` into
-    ``target``: directly where it is a contiguous CPU tensor, else through a CPU copy."""
-    if target.device.type == "cpu" and target.is_contiguous() and target.dim() == 1:
-        src.read([ReadRequest(name, start, target, state)])
-        return
-    staged = torch.empty(target.numel(), dtype=target.dtype)
-    src.read([ReadRequest(name, start, staged, state)])
-    target.copy_(staged.view(target.shape).to(target.device))
+def _load_optimizer(src: OursSource, opt, params: bool) -> None:
+    """This rank's rows of every parameter the optimizer holds (with ``params``) and of
+    its state; the saved hyperparameters into its groups."""
+    gen = src.group
+    tensors = {t.name: t for t in src.tensors()}
+    wanted = []  # (info, tensor meta, first element of this rank's rows)
+    for info in opt.infos:
+        pname = param_name(info)
+        meta = tensors.get(pname)
+        if meta is None:
+            raise CheckpointError(f"{gen}: the checkpoint has no parameter {pname!r}")
+        mine = dtypes.dtype(info.dtype)
+        if meta.shape != tuple(info.shape) or meta.dtype != mine:
+            raise CheckpointError(
+                f"{gen}: parameter {pname} is {meta.dtype} {list(meta.shape)} in the "
+                f"checkpoint but {mine} {list(info.shape)} in the model")
+        r = src_rank(info)
+        wanted.append((info, meta, info.row_offset(r) * info.row_numel))
+
+    for info, meta, start in wanted:
+        pname = param_name(info)
+        if params:
+            _read_into(src, pname, "param", start, local_param(info).view(-1))
+        saved = [k for k in meta.states if k != "param"]
+        if not saved:
+            continue
+        for key in param_state_arrays(opt, info):
+            if key not in meta.states:
+                raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
+            n = local_param(info).numel()
+            value = torch.empty(n, dtype=meta.states[key].dtype.torch)
+            src.read([ReadRequest(pname, start, value, key)])
+            write_param_state(opt, info, key, value)
+        mark_restored(opt, info, meta.extra.get("adam_step"))
+    for saved, group in zip(src.manifest.extra.get("param_groups", []), opt.param_groups):
+        for k, v in saved.items():
+            if k in group and k != "use_muon":
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
 
 
-def _buffers_to_restore(src: OursSource, model) -> dict[str, torch.Tensor]:
+def src_rank(info) -> int:
+    """The rank whose rows of ``info`` this process loads: its own where the parameter is
+    sharded, rank 0's (the whole tensor) where it is not."""
+    rank, _, _ = _collective()
+    return rank if info.distributed else 0
+
+
+def _buffers_to_restore(src: OursSource, model, strict: bool = True) -> dict[str, torch.Tensor]:
     """The model's persistent buffers, checked against those the checkpoint saved (none
-    for a checkpoint written before buffers were saved, or without a model)."""
+    for a checkpoint written before buffers were saved, or without a model); not
+    ``strict``: those both have, the others are left alone."""
     gen = src.group
     if model is None or not src.manifest.extra.get("buffers_saved"):
         return {}
     model_buffers = persistent_buffers(model)
     saved = {t.name: t for t in src.tensors() if t.kind == "buffer"}
     missing, extra = sorted(set(model_buffers) - set(saved)), sorted(set(saved) - set(model_buffers))
+    if not strict:
+        model_buffers = {k: v for k, v in model_buffers.items() if k in saved}
+        missing = extra = []
     if missing:
         raise CheckpointError(f"{gen}: the checkpoint has no buffer {missing[0]!r} of the model")
     if extra:
-        raise CheckpointError(f"{gen}: the checkpoint's buffer {extra[0]!r} is not in the model")
+        raise CheckpointError(f"{gen}: the checkpoint's buffer {extra[0]!r} is not in the model"
+                              " (a model-only load ignores it with strict=False)")
     for name, buf in model_buffers.items():
         meta = saved[name]
         mine = dtypes.dtype(buf.dtype)

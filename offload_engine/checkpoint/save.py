@@ -26,18 +26,23 @@ import torch.distributed as dist
 
 from .. import dtypes
 from ..layout import create_group
-from ..layout.generations import PARTIAL, generation_name
+from ..layout.generations import PARTIAL
 from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, rank_group, shard_entry,
                                tensor_entry, tensor_rows, write_shard_table)
-from ..layout.metadata_crc import METADATA_KEY
+from ..layout.metadata_crc import METADATA_KEY, files_crc32c
 from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
                                   state_offsets)
+from . import training_state
 from .buffers import snapshot_buffers
 from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
 from .generations import prepare_staging
+from .model_tensors import frozen_parameters, local_rows, row_block, saved_rows, tied_aliases
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
+from .retention import apply_retention, check_keep_last
 from .save_errors import save_error
+from .supported import check_optimizer
+from .tags import generation_dir
 from ..store.geometry import elems_per_bucket
 from ..units import MiB
 
@@ -61,16 +66,27 @@ def param_name(info) -> str:
 
 
 def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int, *,
+                    extra: dict | None = None, tag: str | None = None,
+                    keep_last: int | None = None, rng: bool = True,
                     chunk_bytes: int = CHUNK_BYTES) -> str:
-    """Write generation ``step-<step>`` of ``optimizer``'s parameters and state under
-    ``ckpt_dir`` and wait until it is committed; collective over all ranks. Returns the
-    committed directory. The optimizer's parameters and state are saved, and ``model``'s
-    persistent buffers (rank 0's copy)."""
-    return save_checkpoint_async(ckpt_dir, model, optimizer, step, chunk_bytes=chunk_bytes).wait()
+    """Write generation ``step-<step>`` (or ``tag``) under ``ckpt_dir`` and wait until it
+    is committed; collective over all ranks. Returns the committed directory.
+
+    Saved: the optimizer's parameters and state; ``model``'s parameters the optimizer does
+    not hold (frozen), its tied names and persistent buffers; each rank's ``extra`` objects
+    (``{name: object with state_dict/load_state_dict, or a dict}``: LR schedulers,
+    samplers, your own dict; strict JSON, no pickle) and, with ``rng``, each rank's RNG
+    states (Python, numpy, torch CPU and CUDA). ``keep_last``: then remove all but the
+    newest ``keep_last`` generations, never the one ``latest`` names. See
+    docs/checkpoint.md."""
+    return save_checkpoint_async(ckpt_dir, model, optimizer, step, extra=extra, tag=tag,
+                                 keep_last=keep_last, rng=rng, chunk_bytes=chunk_bytes).wait()
 
 
 @torch.no_grad()
 def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step: int, *,
+                          extra: dict | None = None, tag: str | None = None,
+                          keep_last: int | None = None, rng: bool = True,
                           chunk_bytes: int = CHUNK_BYTES,
                           commit_timeout_s: float = COMMIT_TIMEOUT_S) -> PendingCheckpoint:
     """Start writing generation ``step-<step>`` and return at once; collective over all
@@ -81,13 +97,17 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     (a pre-hook), and parameters must not be changed other than by that step; a bucket of
     state the step needs before the snapshot copied it is copied by the step (one bucket
     write). A second save waits for the first. The thread is not a daemon: a script that
-    ends right after saving still commits.
+    ends right after saving still commits. ``extra``, the RNG states and the buffers are
+    taken at the call; the arguments are ``save_checkpoint``'s. Retention (``keep_last``)
+    runs on rank 0 after the commit, before ``wait()`` returns there.
     """
-    opt = optimizer
+    opt = check_optimizer(optimizer, "save_checkpoint")
+    keep_last = check_keep_last(keep_last)
+    training_state.check_extra(extra)
     finish_previous(opt)
     t0 = time.perf_counter()
     rank, world, coll = _collective()
-    name = generation_name(step)
+    name = generation_dir(step, tag)
     final = os.path.join(ckpt_dir, name)
     staging = final + PARTIAL
     problem = prepare_staging(ckpt_dir, final, staging, step) if rank == 0 else None
@@ -101,9 +121,12 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     pending = PendingCheckpoint(final, step)
     buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
     try:
-        plan = _plan(opt, rank, chunk_bytes, buffers)
+        frozen = [(n, t, saved_rows(t, n, rank, world)) for n, t in frozen_parameters(model, opt)]
+        state_doc = training_state.capture(extra, rng)  # now: a sampler moves on after the call
+        plan = _plan(opt, rank, chunk_bytes, buffers, frozen)
         create_group(os.path.join(staging, rank_group(rank)), {})
         write_shard_table(staging, rank, plan["shards"])
+        training_state.write(staging, rank, state_doc)
         writer = RankWriter(staging, rank, plan["param_arrays"], plan["params"],
                             plan["state_arrays"], chunk_bytes)
         try:
@@ -116,13 +139,15 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         report_failed(staging, rank, e)  # so that rank 0 does not wait for this rank
         raise save_error(e, final, rank)
     adam_steps = {param_name(i): adam_step(opt, i) for i in plan["infos"]}
-    attrs = _manifest(opt, step, world, buffers) if rank == 0 else None
+    attrs = _manifest(opt, step, world, buffers, frozen, model, state_doc) if rank == 0 else None
 
     def body() -> None:
         try:
             _write_rank(pending, writer, snap, staging, rank, adam_steps, t0)
             if rank == 0:
                 _commit_as_rank0(ckpt_dir, staging, final, attrs, world, commit_timeout_s)
+                if keep_last is not None:
+                    apply_retention(ckpt_dir, keep_last, name)
             else:
                 wait_for_commit(staging, final, world, commit_timeout_s)
         except BaseException as e:  # an I/O error says which generation and rank
@@ -147,6 +172,7 @@ def _write_rank(pending: PendingCheckpoint, writer: RankWriter, snap, staging: s
             pending.stats["inline_copies"] = snap.copied_inline
             pending.stats["state_buckets"] = snap.total
         summary = writer.finish()
+        summary[METADATA_KEY].update(files_crc32c(staging, [training_state.metadata_key(rank)]))
         pending.stats["bytes"] = writer.bytes_written
         summary["adam_steps"] = {k: v for k, v in adam_steps.items() if v is not None}
         report_done(staging, rank, summary)
@@ -188,13 +214,15 @@ def commit_generation(ckpt_dir: str, staging: str, final: str, attrs: dict, worl
     _commit_as_rank0(ckpt_dir, staging, final, attrs, world, timeout_s)
 
 
-def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) -> dict:
+def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor],
+          frozen: list = ()) -> dict:
     """Which arrays this rank writes and where each parameter's rows land in them.
 
     State arrays copy the store's arrays whole (so the snapshot's buckets map to chunks);
     a parameter's state sits where the store keeps it. Parameter rows are packed, and so
-    are ``buffers`` (rank 0's copies). A replicated (non-DTensor) parameter is saved by
-    rank 0 only."""
+    are ``buffers`` (rank 0's copies) and the ``frozen`` parameters (``[(name, tensor,
+    rows of each rank)]``: this rank's rows of a DTensor). A replicated (non-DTensor)
+    parameter is saved by rank 0 only."""
     infos = [i for i in opt.infos if i.distributed or rank == 0]
     bucket_bytes = opt.store.config.bucket_bytes
     names = {}         # layout array -> its name here
@@ -226,6 +254,12 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) ->
         row_rank = rank if info.distributed else 0
         shards[param_name(info)] = shard_entry(info.row_offset(row_rank),
                                                info.rows_per_rank[row_rank], n, states)
+    for name, t, held in frozen:
+        if not row_block(t, name).distributed and rank != 0:
+            continue
+        local = local_rows(t)
+        where = pack(name, partial(local_rows, t), "param", t.dtype, local.numel())
+        shards[name] = shard_entry(sum(held[:rank]), held[rank], local.numel(), {"param": where})
     for name, buf in buffers.items():
         where = pack(f"buffer {name}", partial(buf.reshape, -1), "buffer", buf.dtype, buf.numel())
         shards[name] = shard_entry(0, tensor_rows(buf.shape), buf.numel(), {"param": where})
@@ -233,10 +267,12 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) ->
             "state_arrays": copies}
 
 
-def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> dict:
+def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor], frozen: list = (),
+              model=None, state_doc: dict | None = None) -> dict:
     """Rank 0: the generation's attributes but for what the ranks report (arrays, checksums,
-    AdamW steps): the tensor table (parameters, then buffers, which rank 0 holds whole),
-    step, world size, parameter groups."""
+    AdamW steps): the tensor table (buffers, which rank 0 holds whole, parameters, frozen
+    parameters), step, world size, parameter groups, tied names, what training state each
+    rank wrote."""
     tensors = {}
     for name, buf in buffers.items():
         dtype = dtypes.dtype(buf.dtype).name
@@ -248,12 +284,24 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
         tensors[param_name(info)] = tensor_entry(
             info.shape, dtypes.dtype(info.dtype).name, info.kind,
             {k: dtypes.dtype(dt).name for k, dt in saved_states(opt, info).items()}, held, world)
+    for name, t, held in frozen:
+        dtype = dtypes.dtype(t.dtype).name
+        tensors[name] = tensor_entry(t.shape, dtype, None, {"param": dtype}, held, world)
+        tensors[name]["frozen"] = True
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                if k not in ("params", "param_names") and _jsonable(v)}
               for g in opt.param_groups]
-    return {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "step": step,
-            "world_size": world, "tensors": tensors, "param_groups": groups,
-            "buffers_saved": True}
+    attrs = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "step": step,
+             "world_size": world, "tensors": tensors, "param_groups": groups,
+             "buffers_saved": True, "frozen_saved": model is not None}
+    saved_name = {id(i.param): param_name(i) for i in opt.infos}
+    saved_name.update({id(t): name for name, t, _ in frozen})
+    aliases = {a: o for a, o in tied_aliases(model, saved_name).items() if a not in tensors}
+    if aliases:
+        attrs["aliases"] = aliases
+    if state_doc is not None:
+        attrs["training_state"] = {"extra": sorted(state_doc["extra"]), "rng": "rng" in state_doc}
+    return attrs
 
 
 def saved_states(opt, info) -> dict[str, torch.dtype]:

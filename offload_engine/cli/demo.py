@@ -108,7 +108,8 @@ def run(args) -> int:
                        on_step=lambda r: print(_row(r), flush=True))
         print(f"  -> killed: {first['killed']}; checkpoint: {os.path.join(ckpt, 'latest')}\n")
 
-        print(f"[2/6] resuming from the checkpoint of step {save_at} in new processes")
+        print(f"[2/6] resuming from the checkpoint of step {save_at} in new processes: model, "
+              "optimizer, LR schedule, data sampler and RNG states (dropout) restored")
         print(HEADER)
         second = launch(TrainConfig(store_dir=os.path.join(base, "run2"), resume=True, **common),
                         on_step=lambda r: print(_row(r), flush=True))

@@ -7,7 +7,7 @@ head) in a few minutes on two CPU cores.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ class ModelConfig:
     n_heads: int = 6
     d_ff: int = 1536
     max_seq_len: int = 128
+    dropout: float = 0.0    # after attention and MLP, in training (draws from torch's RNG)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +45,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model)
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=True)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=True)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -51,8 +53,8 @@ class Block(nn.Module):
         shape = (b, t, self.n_heads, d // self.n_heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.down(F.gelu(self.up(self.mlp_norm(x)))))
 
 
 class TinyLM(nn.Module):
@@ -75,9 +77,12 @@ class TinyLM(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def build_model(preset: str | ModelConfig, seed: int = 0) -> TinyLM:
-    """A model with deterministic initial weights (same ``seed``, same bits)."""
+def build_model(preset: str | ModelConfig, seed: int = 0, dropout: float | None = None) -> TinyLM:
+    """A model with deterministic initial weights (same ``seed``, same bits); ``dropout``
+    replaces the preset's."""
     cfg = PRESETS[preset] if isinstance(preset, str) else preset
+    if dropout is not None:
+        cfg = replace(cfg, dropout=dropout)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

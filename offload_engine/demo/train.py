@@ -1,5 +1,9 @@
 """Train the demo model with FSDP2 + ZeroMuon across W real processes.
 
+Each rank draws its batches from a shuffling sampler with state, applies dropout (its own
+RNG) and follows an LR schedule; checkpoints save all three beside the model and the
+optimizer (``extra=``, and the RNG states), so a resumed run continues bit for bit.
+
 ``launch(cfg)`` starts W processes (gloo on CPU, nccl on CUDA), each holding one FSDP2
 shard of the model and one TieredStore of optimizer state under ``cfg.store_dir``. Rank 0
 sends one record per step to the parent (loss bits, step time, bytes moved, hit rate), so
@@ -9,6 +13,7 @@ crash) after a given step.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import signal
@@ -16,6 +21,7 @@ import struct
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 import torch.multiprocessing as mp
@@ -37,11 +43,23 @@ class TrainConfig:
     cpu_budget: str = "16MiB"    # pinned pool per rank: smaller than the state, so it streams
     bucket_bytes: str = "2MiB"
     clip_norm: float = 1.0
+    dropout: float = 0.1         # draws from each rank's torch RNG: a resume must restore it
+    warmup_steps: int = 5        # LR schedule: linear warm-up, then cosine decay to 10%
+    data_batches: int = 16       # batch ids the sampler shuffles per epoch (per rank)
     checkpoint_dir: str | None = None
     checkpoint_steps: list[int] = field(default_factory=list)  # save after these steps
     resume: bool = False         # start from the latest checkpoint in checkpoint_dir
     kill_after: int | None = None  # the parent SIGKILLs the run once this step is reported
     #                                and the checkpoint is committed (it is written in the background)
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning rate schedule (a factor of each group's base rate) after ``step`` steps:
+    linear warm-up over ``cfg.warmup_steps``, then cosine decay to 10% at ``cfg.steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
 def loss_bits(x: float) -> str:
@@ -56,7 +74,7 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from ..optim import ZeroMuon
-    from .data import MarkovText
+    from .data import MarkovText, ShuffledBatches
     from .model import PRESETS, build_model
 
     cuda = torch.cuda.is_available()
@@ -68,7 +86,8 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
     try:
         device = "cuda" if cuda else "cpu"
         mesh = init_device_mesh(device, (cfg.world_size,))
-        model = build_model(cfg.model, seed=cfg.seed).to(device)
+        model = build_model(cfg.model, seed=cfg.seed, dropout=cfg.dropout).to(device)
+        torch.manual_seed(cfg.seed * 1000 + rank)  # dropout masks differ per rank
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -80,22 +99,28 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
         opt = ZeroMuon(model.named_parameters(), lr=cfg.muon_lr, weight_decay=0.1,
                        adamw={"lr": cfg.adamw_lr, "betas": (0.9, 0.95), "weight_decay": 0.01},
                        store=store)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, partial(lr_factor, cfg))
+        sampler = ShuffledBatches(cfg.data_batches, rank, seed=cfg.seed)
+        # what a resume needs besides model and optimizer (the RNG states are saved too)
+        extra = {"scheduler": scheduler, "sampler": sampler}
         start = 0
         if cfg.resume:
             from ..checkpoint import load_checkpoint
-            start = load_checkpoint(cfg.checkpoint_dir, model, opt)
+            start = load_checkpoint(cfg.checkpoint_dir, model, opt, extra=extra)
         preset = PRESETS[cfg.model]
         data = MarkovText(preset.vocab_size, min(cfg.seq_len, preset.max_seq_len), seed=1234 + cfg.seed)
         pending = None  # a checkpoint being written while training goes on
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            x, y = data.batch(step, rank, cfg.batch_size)
+            x, y = data.batch(sampler.next(), rank, cfg.batch_size)
             logits = model(x.to(device))
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
             opt.step()
             opt.zero_grad()
+            lr = opt.param_groups[0]["lr"]
+            scheduler.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             mean = float(mean) / cfg.world_size
@@ -103,11 +128,11 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
             started, saved = step in cfg.checkpoint_steps, None
             if started:
                 from ..checkpoint import save_checkpoint_async
-                pending = save_checkpoint_async(cfg.checkpoint_dir, model, opt, step)
+                pending = save_checkpoint_async(cfg.checkpoint_dir, model, opt, step, extra=extra)
             elif pending is not None and pending.done():
                 saved, pending = pending.wait(), None  # committed: report it once
             if rank == 0:
-                out.put({"step": step, "loss": mean, "loss_bits": loss_bits(mean),
+                out.put({"step": step, "loss": mean, "loss_bits": loss_bits(mean), "lr": lr,
                          "step_s": time.perf_counter() - t0, "opt_s": st.step_s,
                          "read": st.store_bytes_read.get("nvme", 0),
                          "written": st.store_bytes_written.get("nvme", 0),

@@ -8,6 +8,8 @@
   step-00000040.partial/       a generation being written, or torn by a crash: never loaded
   step-00000040.superseded-1/  a committed generation latest did not name, set aside when
                                its step was saved again: kept, never loaded
+  step-00000010.deleting/      a generation keep_last is removing: never loaded
+  best/                        a generation saved with tag="best" (any checked name)
 ```
 
 A generation is written under ``<name>.partial`` and renamed to ``<name>`` when complete
@@ -24,6 +26,9 @@ LATEST = "latest"
 # <name>.superseded-<k>: a generation that latest did not name when its step was saved
 # again (an orphan of a crash between commit and latest, or of a rollback); never loaded
 SUPERSEDED = ".superseded-"
+# <name>.deleting: a generation retention (keep_last) is removing; never loaded, and swept
+# by the next save's retention when a crash left it half removed
+DELETING = ".deleting"
 
 
 def generation_name(step: int) -> str:

@@ -30,7 +30,11 @@ SHARDS = "shards"
 MANIFEST_VERSION = 2
 # 3: a checkpoint's manifest records the crc32c of every other metadata file and ends with
 # its seal (metadata_crc.py); the tables themselves are version 2's
-CHECKPOINT_VERSION = 3
+METADATA_CRC_VERSION = 3
+# 4: a generation may hold each rank's training state (rank{r}/training_state, checksummed
+# like the shard tables), parameters outside the optimizer ("frozen": true), tied names
+# ("aliases") and a user-chosen name (a tag). Versions 2 and 3 stay readable.
+CHECKPOINT_VERSION = 4
 
 
 def rank_group(rank: int) -> str:

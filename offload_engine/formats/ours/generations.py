@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ...layout.generations import PARTIAL
+from ...layout.generations import DELETING, PARTIAL
 from ..errors import CheckpointError
 from ..latest import read_latest
 from .tensor_table import gc_paused, parse_manifest, read_manifest_attrs
@@ -23,6 +23,8 @@ def locate(ckpt_dir: str, tag: str | None = None) -> str:
     if tag is None and os.path.isfile(os.path.join(ckpt_dir, "zarr.json")):
         if os.path.basename(os.path.normpath(ckpt_dir)).endswith(PARTIAL):
             raise CheckpointError(f"{ckpt_dir}: a torn (uncommitted) generation")
+        if os.path.basename(os.path.normpath(ckpt_dir)).endswith(DELETING):
+            raise CheckpointError(f"{ckpt_dir}: a generation being removed by keep_last")
         return ckpt_dir
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
@@ -37,6 +39,8 @@ def locate(ckpt_dir: str, tag: str | None = None) -> str:
         return f"{gen}: {what}"
     if tag.endswith(PARTIAL):
         raise CheckpointError(where("is a torn (uncommitted) generation"))
+    if tag.endswith(DELETING):
+        raise CheckpointError(where("is a generation being removed by keep_last"))
     if not os.path.isdir(gen):
         torn = os.path.isdir(gen + PARTIAL)
         raise CheckpointError(where("does not exist"

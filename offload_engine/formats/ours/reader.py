@@ -262,6 +262,25 @@ class OursSource(TensorSource):
         return self._tables.placements(t.name, state)
 
     # -- TensorSource ----------------------------------------------------------------------
+    def aliases(self) -> dict[str, str]:
+        """``{alias: owner}``: tied names the save recorded (the manifest's ``aliases``),
+        checked: each owner a tensor of the table, no alias one. CheckpointError naming the
+        manifest otherwise."""
+        doc = self.manifest.extra.get("aliases")
+        if doc is None:
+            return {}
+        where = os.path.join(self.group, "zarr.json")
+        names = {t.name for t in self.manifest.tensors}
+        if not isinstance(doc, dict):
+            raise CheckpointError(f"{where}: 'aliases' must be an object {{alias: owner}}")
+        for alias, owner in doc.items():
+            if not isinstance(owner, str) or owner not in names:
+                raise CheckpointError(f"{where}: tied name {alias!r} points at {owner!r}, which "
+                                      "is not a tensor of the checkpoint")
+            if alias in names:
+                raise CheckpointError(f"{where}: tied name {alias!r} is also a tensor of its own")
+        return dict(doc)
+
     def tensors(self) -> list[TensorMeta]:
         return self.manifest.tensors
 

@@ -20,7 +20,8 @@ from ... import dtypes
 from ...dtypes import DType
 from ...layout import MetadataError, NodeNotFoundError, read_group
 from ...layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_VERSION,
-                                STORE_FORMAT, array_metadata_key, shard_table_key)
+                                METADATA_CRC_VERSION, STORE_FORMAT, array_metadata_key,
+                                shard_table_key)
 from ...layout.member_paths import name_problem
 from ...layout.metadata_crc import METADATA_KEY, SEAL_KEY
 from ..errors import CheckpointError
@@ -29,9 +30,11 @@ from ..source import StateMeta, TensorMeta
 
 FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
 # version 2 checkpoints (written before metadata checksums) stay readable
-KNOWN_VERSIONS = {"store": (MANIFEST_VERSION,), "checkpoint": (MANIFEST_VERSION, CHECKPOINT_VERSION)}
+KNOWN_VERSIONS = {"store": (MANIFEST_VERSION,),
+                  "checkpoint": (MANIFEST_VERSION, METADATA_CRC_VERSION, CHECKPOINT_VERSION)}
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
 _RANK_TABLE = re.compile(r"rank(\d+)/zarr\.json")
+_RANK_STATE = re.compile(r"rank(\d+)/training_state/zarr\.json")  # version 4
 _SEAL = re.compile(r"[0-9a-f]{8}")
 
 
@@ -153,8 +156,8 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
                 raise CheckpointError(f"{where}: the checkpoint manifest has no {key!r}")
         checksums = _parse_checksums(attrs.get("checksums"), arrays, where)
     metadata_crcs = None
-    if kind == "checkpoint" and version >= CHECKPOINT_VERSION:
-        metadata_crcs = _parse_metadata_crcs(attrs, world, arrays, where)
+    if kind == "checkpoint" and version >= METADATA_CRC_VERSION:
+        metadata_crcs = _parse_metadata_crcs(attrs, world, arrays, where, version)
     extra = {k: v for k, v in attrs.items()
              if k not in ("format", "format_version", "step", "world_size", "arrays",
                           "tensors", "checksums", "committed", "stripes", METADATA_KEY,
@@ -209,10 +212,12 @@ def _parse_checksums(doc, arrays: dict[str, ArrayEntry], where: str) -> dict[str
 
 
 def _parse_metadata_crcs(attrs: dict, world: int, arrays: dict[str, ArrayEntry],
-                         where: str) -> dict[str, int]:
-    """A version 3 checkpoint's ``metadata_checksums``: one crc32c for each rank's shard
-    table and each array's zarr.json, none for anything else; and the seal (checked
-    against the file's bytes by ``read_manifest_attrs``), which it must have."""
+                         where: str, version: int) -> dict[str, int]:
+    """A version 3 or 4 checkpoint's ``metadata_checksums``: one crc32c for each rank's
+    shard table and each array's zarr.json, and (version 4, where the manifest says it
+    holds ``training_state``) each rank's training state; none for anything else; and the
+    seal (checked against the file's bytes by ``read_manifest_attrs``), which it must
+    have."""
     if type(attrs.get(SEAL_KEY)) is not str or not _SEAL.fullmatch(attrs[SEAL_KEY]):
         raise CheckpointError(f"{where}: a version 3 checkpoint manifest ends with "
                               f"'{SEAL_KEY}' (8 hex digits); this one has "
@@ -221,9 +226,13 @@ def _parse_metadata_crcs(attrs: dict, world: int, arrays: dict[str, ArrayEntry],
     if type(doc) is not dict:
         raise CheckpointError(f"{where}: a version 3 checkpoint manifest needs "
                               f"'{METADATA_KEY}' {{file: crc32c}}")
+    states = world if version >= CHECKPOINT_VERSION and "training_state" in attrs else 0
     for name, crc in doc.items():
         m = _RANK_TABLE.fullmatch(name)
+        s = _RANK_STATE.fullmatch(name) if states else None
         known = ((m is not None and int(m.group(1)) < world and name == shard_table_key(int(m.group(1))))
+                 or (s is not None and int(s.group(1)) < world
+                     and name == f"rank{int(s.group(1))}/training_state/zarr.json")
                  or (name.endswith("/zarr.json") and name[:-len("/zarr.json")] in arrays))
         if not known:
             raise CheckpointError(f"{where}: {METADATA_KEY} names {name!r}, neither a rank's "
@@ -231,10 +240,12 @@ def _parse_metadata_crcs(attrs: dict, world: int, arrays: dict[str, ArrayEntry],
         if type(crc) is not int or not 0 <= crc < 2**32:
             raise CheckpointError(f"{where}: {METADATA_KEY}[{name!r}] must be an unsigned "
                                   f"32-bit integer, got {crc!r}")
-    if len(doc) != world + len(arrays):  # each name is one of these files: so all are there
+    if len(doc) != world + len(arrays) + states:  # each name is one of these files: so all are there
         missing = next((k for k in [array_metadata_key(a) for a in arrays] if k not in doc),
-                       None) or next(shard_table_key(r) for r in range(world)
-                                     if shard_table_key(r) not in doc)
+                       None) or next(k for r in range(world) for k in
+                                     [shard_table_key(r)] + ([f"rank{r}/training_state/zarr.json"]
+                                                             if states else [])
+                                     if k not in doc)
         raise CheckpointError(f"{where}: {METADATA_KEY} has no checksum for {missing!r}")
     return doc
 
@@ -308,7 +319,8 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         optimizer = entry.get("optimizer")
         if optimizer is not None and type(optimizer) is not str:
             raise CheckpointError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
-        kind = "buffer" if entry.get("buffer") is True else "param"
+        kind = ("buffer" if entry.get("buffer") is True
+                else "frozen" if entry.get("frozen") is True else "param")
         meta = TensorMeta(name, shape, dtype, optimizer, states_meta, kind=kind)
         step = entry.get("adam_step")
         if step is not None:
