@@ -55,14 +55,14 @@ def write_param_state(opt, info: ParamInfo, key: str, flat: torch.Tensor) -> Non
 
 def adam_step(opt, info: ParamInfo) -> float | None:
     """The AdamW step count of ``info`` (None before its first step or for Muon)."""
-    st = opt.state.get(info.param, {})
+    st = opt._adam_state.get(info.param, {})
     return float(st["step"]) if "step" in st else None
 
 
 def mark_restored(opt, info: ParamInfo, step: float | None) -> None:
     """After every state of ``info`` was written: it has state now (and its AdamW step)."""
     if info.kind == "adamw" and step is not None:
-        opt.state[info.param]["step"] = torch.tensor(float(step), dtype=torch.float32)
+        opt._adam_state[info.param]["step"] = torch.tensor(float(step), dtype=torch.float32)
     opt._initialized.add(info.index)
 
 

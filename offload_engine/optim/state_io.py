@@ -1,5 +1,8 @@
 """state_dict() and load_state_dict(): the store's flat arrays <-> torch's per-parameter state.
 
+The tensors of a state dict are StoreTensors (lazy_state.py): they read the store when used,
+so torch.distributed.checkpoint saves and loads one parameter's state at a time.
+
 The state dict has torch's shape: ``{"state": {index: {...}}, "param_groups": [...]}``
 with parameters numbered over the groups in order. Muon entries hold ``momentum_buffer``
 (torch's lerp convention, so ``torch.optim.Muon`` continues from it); AdamW entries hold
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .lazy_state import StoreTensor
 from .sharding import is_dtensor
 
 try:
@@ -41,9 +45,11 @@ def _read_array(opt, info, key) -> torch.Tensor:
     return out.view(_local_shape(opt, info))
 
 
-def _write_array(opt, info, key, value: torch.Tensor | None) -> None:
+def _write_array(opt, info, key, value: torch.Tensor | None, keep=None) -> None:
     """Write this rank's part (flat, right length, in ``key.dtype``) of state array ``key``
-    (an ArrayKey) of ``info``, or zeros (None), into the store."""
+    (an ArrayKey) of ``info``, or zeros (None), into the store. StoreTensors handed out for
+    it (but ``keep``, whose values these are) read their old values first."""
+    opt._lazy.before_write(info.index, key.name, keep=keep)
     bundle = opt.layout.bundle_of(info.index)
     for j, seg in opt.layout.param_pieces(info.index):
         h = opt.store.acquire(opt.array_name(key.name), bundle.rows[j].buckets[key.name],
@@ -62,21 +68,39 @@ def _wrap(info, local: torch.Tensor) -> torch.Tensor:
     p = info.param
     if not is_dtensor(p):
         return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    with torch.no_grad():
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+
+
+def lazy_state(opt, info) -> dict:
+    """``{torch state key: StoreTensor}`` of one parameter (DTensor-wrapped for a DTensor
+    parameter), plus ``step`` (a copy) for AdamW. Reads nothing."""
+    entry = {}
+    if info.kind == "adamw":
+        entry["step"] = opt._adam_state[info.param]["step"].clone()
+    for key in opt.layout.bundle_of(info.index).keys:
+        src = opt._lazy.source(opt, info, key, _local_shape(opt, info))
+        entry[key.kind.state_key] = _wrap(info, StoreTensor(src))
+    return entry
+
+
+def _own_source(opt, info, akey, value):
+    """The Source of ``value`` if it is ``opt``'s current StoreTensor of this very array
+    (DCP loaded into it: the store holds its values already), else None."""
+    loc = value._local_tensor if is_dtensor(value) else value
+    if not isinstance(loc, StoreTensor):
+        return None
+    src = loc.source_of(opt)
+    return src if src is not None and src.info.index == info.index \
+        and src.akey.name == akey.name else None
 
 
 def read_state(opt) -> dict:
     state = {}
     for info in opt.infos:
-        if info.index not in opt._initialized:
-            continue
-        entry = {}
-        if info.kind == "adamw":
-            entry["step"] = opt.state[info.param]["step"].clone()
-        for key in opt.layout.bundle_of(info.index).keys:
-            entry[key.kind.state_key] = _wrap(info, _read_array(opt, info, key))
-        state[info.index] = entry
+        if info.index in opt._initialized:
+            state[info.index] = lazy_state(opt, info)
     groups, start = [], 0
     for g in opt.param_groups:
         packed = {k: v for k, v in g.items() if k != "params"}
@@ -119,6 +143,7 @@ def load_state(opt, state_dict: dict) -> None:
                              f"dict and {mine['use_muon']} here")
     saved_ids = [pid for g in groups for pid in g["params"]]
     states = state_dict["state"]
+    opt._lazy.flush()  # what DCP loaded into the last buffer it was given
     with torch.no_grad():
         for info, pid in zip(opt.infos, saved_ids):
             entry = states.get(pid)
@@ -127,10 +152,12 @@ def load_state(opt, state_dict: dict) -> None:
                 for akey in keys:
                     _write_array(opt, info, akey, None)
                 opt._initialized.discard(info.index)
-                opt.state.pop(info.param, None)
+                opt._adam_state.pop(info.param, None)
                 continue
             for akey in keys:
                 key = akey.kind.state_key
+                if key in entry and _own_source(opt, info, akey, entry[key]) is not None:
+                    continue  # already in the store
                 if key not in entry:
                     if key != "master_param":
                         raise KeyError(f"state of parameter {info.name or info.index} has no {key!r}")
@@ -141,7 +168,7 @@ def load_state(opt, state_dict: dict) -> None:
             if info.kind == "adamw":
                 if "step" not in entry:
                     raise KeyError(f"state of parameter {info.name or info.index} has no 'step'")
-                opt.state[info.param]["step"] = torch.tensor(float(entry["step"]),
+                opt._adam_state[info.param]["step"] = torch.tensor(float(entry["step"]),
                                                              dtype=torch.float32)
             opt._initialized.add(info.index)
         for saved, mine in zip(groups, opt.param_groups):

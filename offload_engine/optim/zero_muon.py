@@ -27,6 +27,7 @@ from ..store import StoreConfig, TieredStore
 from ..store.geometry import array_pool_bytes
 from ..units import PAGE
 from .comm import Exchange, plan_exchange
+from .lazy_state import LazyViews
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
 from .muon_defaults import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 from .muon_math import NewtonSchulz
@@ -39,6 +40,7 @@ from .resources import Scratch, StepResources
 from .sharding import check_grad, describe, exchange_group, flat_local, is_dtensor, local_tensor
 from .state_io import load_state, read_state
 from .state_layout import build_layout
+from .state_view import StateView
 from .step_events import SLOTS, Leases, kept_tails, pool_use, working_buckets
 from .step_stats import StepStats
 from .store_manifest import store_manifest
@@ -106,6 +108,7 @@ class ZeroMuon(torch.optim.Optimizer):
 
     # -- construction ------------------------------------------------------------------------------
     def _build(self, store) -> None:
+        self._lazy = LazyViews()  # the state tensors handed out (lazy_state.py)
         infos: list[ParamInfo] = []
         for group in self.param_groups:
             kind = "muon" if group["use_muon"] else "adamw"
@@ -148,6 +151,7 @@ class ZeroMuon(torch.optim.Optimizer):
 
         self.resources = self._step_resources()
         self._initialized: set[int] = set()
+        self._info_of = {id(i.param): i for i in infos}
         self._order_warned = False
         self._runner = StepRunner(self.resources)
         self.last_step_stats: StepStats | None = None
@@ -298,6 +302,7 @@ class ZeroMuon(torch.optim.Optimizer):
                 loss = closure()
         t0 = time.perf_counter()
         self._check_params_kept()
+        self._lazy.before_write()  # state dicts taken before keep their values
         self.exchange.reset_counters()
         ns_before = self.ns.calls
         # the store owns the order: this step walks the way it says (alternating with
@@ -319,7 +324,7 @@ class ZeroMuon(torch.optim.Optimizer):
             params_flat[info.index] = flat_local(p, f"parameter {info.name or info.index}")
             grads_flat[info.index] = flat_local(p.grad, f"gradient of {info.name or info.index}")
             if info.kind == "adamw":
-                st = self.state[p]
+                st = self._adam_state[p]
                 if "step" not in st:
                     st["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
                 st["step"] += 1
@@ -367,11 +372,26 @@ class ZeroMuon(torch.optim.Optimizer):
                         "store?): prefetching will miss; results are unaffected")
 
     # -- state dict ---------------------------------------------------------------------------------
+    @property
+    def state(self) -> StateView:
+        """torch's ``optimizer.state`` as a read-only view: ``{param: {state key: tensor}}``
+        for every parameter with state, values read from the store on use (see state_dict)."""
+        return StateView(self)
+
+    @state.setter
+    def state(self, value) -> None:
+        # torch.optim.Optimizer.__init__ assigns its defaultdict here: it keeps the AdamW
+        # step counts, the only state held outside the store
+        self._adam_state = value
+
     def state_dict(self) -> dict:
         """torch's optimizer state dict: per parameter ``momentum_buffer`` (Muon, lerp
         convention) or ``step``/``exp_avg``/``exp_avg_sq`` (AdamW), plus ``master_param`` with
         master weights. DTensor parameters get DTensor state (this rank's rows, Shard(0));
-        plain ones plain tensors. Reads the whole state into memory."""
+        plain ones plain tensors. The tensors are read from the store when used, one at a
+        time (torch.distributed.checkpoint saves them so, in bounded memory), and keep the
+        values of this call: a step or a load first reads those still referenced into
+        memory (docs/optimizer.md)."""
         return read_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -388,6 +408,7 @@ class ZeroMuon(torch.optim.Optimizer):
     def close(self) -> None:
         """Flush and close the store this optimizer opened (a store passed in stays open)."""
         if getattr(self, "store", None) is not None:
+            self._lazy.before_write()  # state dicts still referenced keep their values
             self._release_pinned()
         if getattr(self, "_own_store", False) and self.store is not None:
             store = self.store

@@ -1,0 +1,211 @@
+"""Optimizer state tensors that stay in the store until used.
+
+``ZeroMuon.state_dict()`` and ``ZeroMuon.state`` hand out ``StoreTensor``s: tensors with the
+shape and dtype of one parameter's state on this rank (this rank's rows) that hold no bytes.
+Any operation on one reads that state from the store first (``torch.equal``, ``.clone()``,
+``full_tensor()`` of the DTensor around it, ``torch.save``) and drops the bytes afterwards,
+so whoever walks a state dict of them one tensor at a time (torch.distributed.checkpoint)
+holds one parameter's state at a time, never the whole state.
+
+DCP's planners ask each for its values through ``__get_tensor_shard__`` (the _Checkpointable
+protocol, which DTensor forwards to its local tensor); the answer is the StoreTensor itself,
+still lazy, because DCP's FileSystemWriter keeps every tensor it wrote until the rank's file
+is closed: ``torch.save`` of it reads the values (``__reduce_ex__``), and what DCP keeps
+holds no bytes. Slices and aliases of it stay lazy, so ``dcp.load`` can narrow one to a
+chunk and ``copy_`` into it: an in-place operation on a current StoreTensor changes the
+optimizer's state, as on torch's own state tensors. It goes into a buffer with the array's
+values; one buffer per optimizer is out at a time: changing another array writes the
+previous buffer back to the store and drops it; ``load_state_dict``, ``step`` and ``close``
+write back the last one.
+
+They are snapshots, as the copies the eager state dict used to hold: before the optimizer
+changes a state array (a step, ``load_state_dict``, ``load_checkpoint``, ``close``), every
+StoreTensor still alive for that array reads its values into memory first, so a state dict
+taken earlier keeps the values it was taken with.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+class Source:
+    """One state array of one parameter on this rank: where a StoreTensor's values are.
+
+    ``data`` is None while the values are in the store; a tensor once they were read into
+    memory (the optimizer was about to change them, or the tensor was changed in place)."""
+
+    __slots__ = ("opt", "info", "akey", "shape", "data", "__weakref__")
+
+    def __init__(self, opt, info, akey, shape):
+        self.opt, self.info, self.akey, self.shape, self.data = opt, info, akey, shape, None
+
+    def read(self) -> torch.Tensor:
+        """The current values (this rank's part, in the parameter's local shape)."""
+        if self.data is not None:
+            return self.data
+        views = self.opt._lazy
+        if views.pending is not None and views.pending[0] is self:
+            return views.pending[1]
+        if self.opt.store is None:
+            raise RuntimeError(f"state {self.akey.kind.state_key!r} of parameter "
+                               f"{self.info.name or self.info.index}: the optimizer was closed")
+        from .state_io import _read_array
+        return _read_array(self.opt, self.info, self.akey)
+
+    def materialize(self) -> None:
+        if self.data is None:
+            self.data = self.read().clone()
+
+
+class LazyViews:
+    """The StoreTensors an optimizer has handed out (weakly) and the one buffer out."""
+
+    def __init__(self):
+        self.sources: weakref.WeakSet[Source] = weakref.WeakSet()
+        # the same, by (parameter index, array name): a write looks at its own array's only
+        self.by_array: dict[tuple[int, str], weakref.WeakSet[Source]] = {}
+        self.pending: list | None = None  # [Source, buffer, changed]
+
+    def source(self, opt, info, akey, shape) -> Source:
+        src = Source(opt, info, akey, tuple(shape))
+        self.sources.add(src)
+        self.by_array.setdefault((info.index, akey.name), weakref.WeakSet()).add(src)
+        return src
+
+    def checkout(self, src: Source) -> torch.Tensor:
+        """A buffer with ``src``'s current values for an in-place change; written back to
+        the store when the next one is checked out or at ``flush``."""
+        if src.data is not None:
+            return src.data
+        if self.pending is None or self.pending[0] is not src:
+            self.flush()
+            self.pending = [src, src.read(), False]
+        # an in-place op run inside __torch_dispatch__ does not move the buffer's version
+        # counter (that happens above the Python key): the caller is about to change it
+        self.pending[2] = True
+        return self.pending[1]
+
+    def flush(self) -> None:
+        """Write the buffer out back to the store (what DCP loaded into it)."""
+        if self.pending is None:
+            return
+        src, buf, changed = self.pending
+        self.pending = None
+        if changed and src.data is None:
+            from .state_io import _write_array
+            with torch.no_grad():
+                _write_array(src.opt, src.info, src.akey,
+                             buf.reshape(-1).to(dtype=src.akey.dtype.torch, device=src.opt.device),
+                             keep=src)
+
+    def before_write(self, index: int | None = None, name: str | None = None,
+                     keep: Source | None = None) -> None:
+        """Before the store's state array ``name`` of parameter ``index`` changes (every
+        array: None, None): the buffer out goes back and every live StoreTensor of it except
+        ``keep`` reads its values into memory."""
+        self.flush()
+
+        def live():
+            pool = self.sources if index is None else self.by_array.get((index, name), ())
+            return [src for src in pool if src is not keep and src.data is None]
+
+        if index is None and live():
+            gc.collect()  # a state dict in a reference cycle is garbage, not a snapshot to keep
+        for src in live():
+            src.materialize()
+
+
+def _narrowed(t: torch.Tensor, region) -> torch.Tensor:
+    for dim, start, length in region:
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def _values(x):
+    return _narrowed(x._src.read(), x._region) if isinstance(x, StoreTensor) else x
+
+
+_aten = torch.ops.aten
+_ALIASES = {_aten.detach.default, _aten.alias.default}
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default}
+
+
+def _slice_bounds(size: int, start, end, step) -> tuple[int, int] | None:
+    """(start, length) of ``t[start:end]`` along a dimension of ``size``; None for a step."""
+    if step not in (None, 1):
+        return None
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    start, end = min(max(start, 0), size), min(max(end, 0), size)
+    return start, max(end - start, 0)
+
+
+class StoreTensor(torch.Tensor):
+    """A tensor whose values are one parameter's state in the optimizer's store (this rank's
+    part, or a slice of it), read on use. See the module docstring."""
+
+    @staticmethod
+    def __new__(cls, src: Source, region: tuple = ()):
+        shape = list(src.shape)
+        for dim, _, length in region:
+            shape[dim] = length
+        r = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=src.akey.dtype.torch,
+                                                device=src.opt.device, requires_grad=False)
+        r._src, r._region = src, tuple(region)
+        return r
+
+    def __init__(self, src: Source, region: tuple = ()):
+        super().__init__()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, StoreTensor):
+            src, region = first._src, first._region
+            if func in _ALIASES or (func in _VIEWS and tuple(args[1]) == tuple(first.shape)):
+                return StoreTensor(src, region)  # still lazy
+            if func is _aten.slice.Tensor:
+                dim = (args[1] if len(args) > 1 else 0) % first.dim()
+                bounds = _slice_bounds(first.shape[dim], *(list(args[2:5]) + [None] * 3)[:3])
+                if bounds is not None:
+                    return StoreTensor(src, region + ((dim,) + bounds,))
+            if func is _aten.is_pinned.default:
+                return False  # a pinned store buffer is the store's, never handed out
+            if func._schema.is_mutable:
+                # in place (dcp.load's copy_): into the optimizer's state, through the buffer
+                target = _narrowed(src.opt._lazy.checkout(src), region)
+                func(target, *tree_map(_values, args[1:]), **tree_map(_values, kwargs))
+                return first
+        return func(*tree_map(_values, args), **tree_map(_values, kwargs))
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        """torch.distributed.checkpoint: this rank's values, still lazy (see the module)."""
+        return self
+
+    def numpy(self, *, force: bool = False):
+        return _values(self).numpy(force=force)
+
+    def tolist(self):
+        return _values(self).tolist()
+
+    def __deepcopy__(self, memo):
+        return _values(self).clone()
+
+    def __reduce_ex__(self, protocol):
+        return _values(self).clone().__reduce_ex__(protocol)
+
+    def __repr__(self):
+        return f"StoreTensor({_values(self)!r})"
+
+    def source_of(self, opt) -> Source | None:
+        """The Source if these are ``opt``'s current store values, else None."""
+        src = self._src
+        return src if src.opt is opt and src.data is None else None
