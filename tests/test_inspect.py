@@ -75,7 +75,7 @@ def test_list_checkpoint_and_store(ckpt, store, capsys):
         s = doc["summary"]
         assert s["kind_label"].endswith(kind) and s["step"] == step and s["world_size"] == 4
         # checkpoints checksum their metadata since version 3; stores stay at 2
-        assert s["format_version"] == (3 if kind == "checkpoint" else 2)
+        assert s["format_version"] == 3  # stores: one folder per rank; checkpoints: checksummed metadata
         assert not [n for n in s["notes"] if "not checksummed" in n or "is not:" in n]
         rows = {r["name"]: r for r in doc["tensors"]}
         assert set(rows) == set(model_tensors())
