@@ -24,7 +24,7 @@ import torch
 
 from offload_engine.io import faults
 from offload_engine.io.faults import FaultPlan
-from offload_engine.store.lock import LOCK_NAME as LOCK
+from offload_engine.store.lock import LEGACY_LOCK_NAME as LOCK
 
 B = 4096              # bucket bytes: small, so a small pool evicts and writes back
 DEADLINE_S = 60.0     # what a scenario may take before it counts as hung (seconds)

@@ -304,6 +304,18 @@ def test_live_stores_of_two_ranks_list_and_read_their_own_rows(tmp_path, capsys)
     out = str(tmp_path / "w_big.npy")
     assert cli_main(["export", d, "w_big", "--state", "momentum_buffer", "--out", out]) == 2
     assert "held by other ranks" in capsys.readouterr().err and not os.path.exists(out)
+    # the store root (the directory given as nvme_paths): inspect lists every rank's store
+    root = str(tmp_path / "live")
+    assert cli_main(["inspect", root, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["store_root"] == root and [x["rank"] for x in doc["ranks"]] == [0, 1]
+    assert [list(x["summary"]["bytes_by_rank"]) for x in doc["ranks"]] == [["0"], ["1"]]
+    assert all("w_big" in {t["name"] for t in x["tensors"]} for x in doc["ranks"])
+    assert cli_main(["inspect", root]) == 0
+    text = capsys.readouterr().out
+    assert "== rank 0 ==" in text and "== rank 1 ==" in text and "w_big" in text
+    assert cli_main(["export", root, "w_big", "--out", out]) == 2  # others take one rank
+    assert "pass one rank's folder" in capsys.readouterr().err
 
 
 # -- a state no row of which is on some ranks ------------------------------------------------

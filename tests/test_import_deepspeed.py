@@ -28,6 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "deepspeed_import")
 ADAMW_RUNS = ["zero2_w2_bf16_adamw", "zero3_w2_fp32_adamw"]
 MUON_RUN = "zero3_w2_fp32_muon"
+# ZeRO-2 Muon: each rank keeps the momentum of the whole parameters its partition touches
+ZERO2_MUON_RUN = "zero2_w2_fp32_muon"
 DECAY = ["embed.weight", "l1.weight", "l2.weight", "head.weight"]  # the AdamW runs' groups
 NO_DECAY = ["l1.bias", "l2.bias", "norm.weight", "norm.bias"]
 
@@ -64,7 +66,7 @@ def run_cli(*args: str):
 
 
 # -- in one process: what the generation holds ----------------------------------------------------
-@pytest.mark.parametrize("run", ADAMW_RUNS + [MUON_RUN])
+@pytest.mark.parametrize("run", ADAMW_RUNS + [MUON_RUN, ZERO2_MUON_RUN])
 @pytest.mark.parametrize("world", [2, 3])
 def test_imported_values_are_deepspeeds_bitwise(tmp_path, run, world):
     """Every parameter's master, moments and momentum equal what DeepSpeed's own API read
@@ -231,14 +233,27 @@ def test_nvme_offloaded_state_is_refused_naming_the_folder(tmp_path):
     _one_line_error(done, os.path.join(ck, "global_step2", "offloaded_tensors"), "NVMe")
 
 
-def test_zero2_muon_momentum_is_refused_naming_the_file(tmp_path):
+def test_zero2_muon_momentum_of_another_size_is_refused_naming_the_file(tmp_path, monkeypatch):
     """DeepSpeed's ZeRO-1/2 Muon keeps, per rank, the momentum of every whole parameter its
     partition touches (rank 0: head + l1 = 976 elements, rank 1: l1 + l2 = 768, against
-    680-element partitions): not the partition layout, and not imported."""
-    ck = os.path.join(FIXTURES, "zero2_w2_fp32_muon")
-    done = run_cli("import", "deepspeed", ck, str(tmp_path / "out"), "--world-size", "2")
-    _one_line_error(done, os.path.join(ck, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-                    "ZeRO-2")
+    680-element partitions). A momentum of any other size is a layout the reader does not
+    know: refused naming the rank file, never imported as momentum."""
+    from offload_engine.formats import FormatError
+    from offload_engine.formats.deepspeed import reader
+    real = reader.zero12_momentum_layout
+
+    def one_more(layout):  # what a rank would need under another layout
+        pieces, numels = real(layout)
+        assert sorted(numels.values())[-2:] == [768, 976]
+        return pieces, {k: n + 1 for k, n in numels.items()}
+
+    monkeypatch.setattr(reader, "zero12_momentum_layout", one_more)
+    ck = os.path.join(FIXTURES, ZERO2_MUON_RUN)
+    with pytest.raises(FormatError) as info:
+        from_deepspeed(ck, str(tmp_path / "out"), 2)
+    msg = str(info.value)
+    assert os.path.join(ck, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt") in msg
+    assert "holds 976 elements" in msg and "977" in msg and "ZeRO-2" in msg
     assert not os.path.exists(tmp_path / "out" / "latest")
 
 
@@ -362,12 +377,12 @@ def test_adamw_run_resumes_bitwise(tmp_path, run, world):
     assert deviation == 0.0
 
 
-def _resume_muon(rank, world, mesh, ckpt):
+def _resume_muon(rank, world, mesh, ckpt, run):
     from torch.distributed.fsdp import fully_shard
     from offload_engine.checkpoint import load_checkpoint
     from offload_engine.optim import ZeroMuon
 
-    rec = record_of(MUON_RUN)
+    rec = record_of(run)
     model = Tiny()
     fully_shard(model, mesh=mesh)
     named = dict(model.named_parameters())
@@ -411,9 +426,10 @@ def _resume_muon(rank, world, mesh, ckpt):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("run", [MUON_RUN, ZERO2_MUON_RUN])
 @pytest.mark.parametrize("world", [2, 3])
-def test_muon_run_resumes_and_steps_like_deepspeed(tmp_path, world):
-    """The ZeRO-3 Muon run: momentum imported bitwise (checked after loading); the next step
+def test_muon_run_resumes_and_steps_like_deepspeed(tmp_path, world, run):
+    """The ZeRO-3 and ZeRO-2 Muon runs: momentum imported bitwise (checked after loading); the next step
     on DeepSpeed's own gradient, compared with DeepSpeed's own next step:
 
     - momentum: both lerp in fp32 (``M.lerp(g, 1 - beta)``), equal to within an ulp
@@ -427,11 +443,11 @@ def test_muon_run_resumes_and_steps_like_deepspeed(tmp_path, world):
     - AdamW parameters: within 1.2e-7 (DeepSpeed's inline Adam divides the bias-corrected
       moments, torch folds the corrections into the step size)."""
     ckpt = str(tmp_path / "ck")
-    from_deepspeed(os.path.join(FIXTURES, MUON_RUN), ckpt, world)
-    spawn(world, _resume_muon, ckpt)
+    from_deepspeed(os.path.join(FIXTURES, run), ckpt, world)
+    spawn(world, _resume_muon, ckpt, run)
     with open(os.path.join(ckpt, "muon-step.json")) as f:
         got = json.load(f)
-    print(f"Muon run W={world}: next step vs DeepSpeed's {got}")
+    print(f"Muon run {run} W={world}: next step vs DeepSpeed's {got}")
     assert got["momentum"] < 1e-8
     assert got["adamw_param"] < 1e-6
     # Newton-Schulz in bf16 against fp32: the update (scale lr) differs by a few percent

@@ -74,8 +74,8 @@ def test_list_checkpoint_and_store(ckpt, store, capsys):
         doc = json.loads(out)
         s = doc["summary"]
         assert s["kind_label"].endswith(kind) and s["step"] == step and s["world_size"] == 4
-        # checkpoints checksum their metadata since version 3 (4: training state); stores stay at 2
-        assert s["format_version"] == (4 if kind == "checkpoint" else 2)
+        # checkpoints: version 4 (training state); stores: version 3 (one folder per rank)
+        assert s["format_version"] == (4 if kind == "checkpoint" else 3)
         assert not [n for n in s["notes"] if "not checksummed" in n or "is not:" in n]
         rows = {r["name"]: r for r in doc["tensors"]}
         assert set(rows) == set(model_tensors())

@@ -1,6 +1,7 @@
-"""Files we open for writing under a fixed name (the store's lock file, ``latest``'s
-temporary file, the O_DIRECT probe) are never written through a symlink or hard link
-someone planted there: as root, that would empty or overwrite any file of the machine."""
+"""Files we open under a fixed name (the lock file stores of earlier versions kept,
+``latest``'s temporary file, the O_DIRECT probe) are never written through a symlink or
+hard link someone planted there: as root, that would empty or overwrite any file of the
+machine."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from offload_engine.store import TieredStore
-from offload_engine.store.lock import LOCK_NAME, LockFileError
+from offload_engine.store.lock import LEGACY_LOCK_NAME, LockFileError
 
 B = 4096
 SECRET = b"a file that is not ours\n"
@@ -27,11 +28,12 @@ def _store(path) -> TieredStore:
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "directory"])
-def test_a_lock_path_that_is_not_a_plain_file_is_refused_and_its_target_untouched(tmp_path, kind):
+def test_an_old_lock_path_that_is_not_a_plain_file_is_refused_and_its_target_untouched(
+        tmp_path, kind):
     store_dir = tmp_path / "store"
     store_dir.mkdir()
     victim = _victim(tmp_path)
-    lock = store_dir / LOCK_NAME
+    lock = store_dir / LEGACY_LOCK_NAME
     if kind == "symlink":
         os.symlink(victim, lock)
     elif kind == "hardlink":
@@ -47,12 +49,26 @@ def test_a_lock_path_that_is_not_a_plain_file_is_refused_and_its_target_untouche
         assert f.read() == SECRET, "the lock file's target was written to"
 
 
-def test_a_lock_file_left_by_an_earlier_run_is_reused(tmp_path):
+def test_the_lock_makes_no_file_and_an_earlier_versions_lock_file_is_removed(tmp_path):
+    (tmp_path / LEGACY_LOCK_NAME).write_bytes(b'{"pid": 1}')  # as versions before kept it
     with _store(tmp_path) as s:
         s.register("m", torch.float32, B // 4)
-    assert (tmp_path / LOCK_NAME).is_file()
-    with _store(tmp_path) as s:        # the plain file stays and is locked again
+        assert not (tmp_path / LEGACY_LOCK_NAME).exists()
+    with _store(tmp_path) as s:        # reopened: the directory itself is what is locked
         s.register("m", torch.float32, B // 4)
+    assert sorted(os.listdir(tmp_path)) == ["m", "zarr.json"]
+
+
+def test_an_earlier_version_holding_its_lock_file_keeps_the_store(tmp_path):
+    import fcntl
+    from offload_engine.store import StoreLockedError
+    lock = tmp_path / LEGACY_LOCK_NAME
+    with open(lock, "wb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)    # what a writer of that version holds
+        with pytest.raises(StoreLockedError, match="earlier offload-engine"):
+            _store(tmp_path)
+        assert lock.is_file()
+    _store(tmp_path).close()                      # released: the old file is retired
 
 
 def test_latest_is_never_written_through_a_planted_temporary_link(tmp_path):

@@ -21,9 +21,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "checkpoint that load_checkpoint resumes, one subcommand per framework.")
     sub = p.add_subparsers(dest="import_command", required=True, metavar="FORMAT")
     d = sub.add_parser(
-        "deepspeed", help="a DeepSpeed ZeRO-1/2/3 checkpoint (AdamW or ZeRO-3 Muon runs)",
+        "deepspeed", help="a DeepSpeed ZeRO-1/2/3 checkpoint (AdamW or Muon runs)",
         description="Write a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 or bf16; AdamW, or "
-                    "MuonWithAuxAdam at ZeRO-3) as an offload-engine checkpoint for ZeroMuon "
+                    "MuonWithAuxAdam) as an offload-engine checkpoint for ZeroMuon "
                     "at --world-size ranks: fp32 masters, Adam moments and steps, Muon "
                     "momentum, buffers, and the global step and LR scheduler state. Which "
                     "parameters use Muon comes from the checkpoint where it records it, else "

@@ -15,6 +15,7 @@ import os
 import sys
 
 from ..formats import KIND_LABELS, open_source
+from ..formats.detect import store_root_ranks
 from ..offline.health import health_summary
 from ..offline.select import name_matches, select
 from ..units import format_bytes, parse_bytes
@@ -33,9 +34,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "sharded index. Listing reads metadata only. --stats streams every "
                     "selected tensor state once, in bounded memory. Exit codes: 0 ok, 3 "
                     "--stats found NaN or Inf, 2 bad input.")
-    p.add_argument("path", metavar="PATH", help="store directory, checkpoint folder or "
-                                                "generation, DeepSpeed folder, .safetensors "
-                                                "file, index .json, or a folder of them")
+    p.add_argument("path", metavar="PATH", help="store directory (or the store root holding "
+                                                "rank0/, rank1/, ...: every rank is listed), "
+                                                "checkpoint folder or generation, DeepSpeed "
+                                                "folder, .safetensors file, index .json, or a "
+                                                "folder of them")
     p.add_argument("--generation", "--tag", dest="generation", metavar="G",
                    help="checkpoint generation or DeepSpeed tag (default: the one 'latest' names)")
     p.add_argument("--name", action="append", metavar="GLOB",
@@ -246,7 +249,40 @@ def open_input(path: str, generation: str | None = None, **options):
 def run(args: argparse.Namespace) -> int:
     window = parse_bytes(args.window_size)
     out = sys.stdout
-    with open_input(args.path, args.generation, window_bytes=window) as source:
+    ranks = store_root_ranks(args.path) if args.generation is None else []
+    if ranks and args.plot:
+        raise ValueError(f"--plot draws one store: pass one rank's folder (e.g. "
+                         f"{ranks[0][1]}), not the store root")
+    if ranks:  # a store root: each rank's store, in rank order
+        results = [(r, inspect_one(d, None, args, window)) for r, d in ranks]
+        if args.json:
+            json.dump({"store_root": os.path.abspath(args.path),
+                       "ranks": [{"rank": r, **res} for r, res in results]},
+                      out, indent=2, default=str)
+            out.write("\n")
+        else:
+            for i, (r, res) in enumerate(results):
+                print(("\n" if i else "") + f"== rank {r} ==", file=out)
+                print_result(res, args, out)
+        return max(_exit_code(res) for _, res in results)
+    result = inspect_one(args.path, args.generation, args, window)
+    if args.json:
+        json.dump(result, out, indent=2, default=str)
+        out.write("\n")
+    else:
+        print_result(result, args, out)
+    return _exit_code(result)
+
+
+def _exit_code(result: dict) -> int:
+    return EXIT_NONFINITE if "health" in result and result["health"]["nonfinite"] else 0
+
+
+def inspect_one(path: str, generation: str | None, args: argparse.Namespace,
+                window: int) -> dict:
+    """What ``inspect`` reports of one input: summary and tensors, with ``--stats`` the
+    statistics and health summary (and the plot drawn)."""
+    with open_input(path, generation, window_bytes=window) as source:
         selected, summary, rows = listing(source, args.name, args.state)
         want_stats = args.stats or args.plot
         result = {"summary": summary, "tensors": rows}
@@ -268,20 +304,17 @@ def run(args: argparse.Namespace) -> int:
                                  f"{KIND_LABELS[source.info.kind]}: {source.info.path}",
                                  floating=floating)
                 result["plot"] = args.plot
-    if args.json:
-        json.dump(result, out, indent=2, default=str)
-        out.write("\n")
-    else:
-        print_summary(summary, out)
+    return result
+
+
+def print_result(result: dict, args: argparse.Namespace, out) -> None:
+    print_summary(result["summary"], out)
+    print(file=out)
+    print_tensors(result["tensors"], out)
+    if "stats" in result:
         print(file=out)
-        print_tensors(rows, out)
-        if want_stats:
-            print(file=out)
-            print_stats(result["stats"], out)
-            print(file=out)
-            print_health(result["health"], out)
-            if args.plot:
-                print(f"\nplot written to {args.plot}", file=out)
-    if want_stats and result["health"]["nonfinite"]:
-        return EXIT_NONFINITE
-    return 0
+        print_stats(result["stats"], out)
+        print(file=out)
+        print_health(result["health"], out)
+        if args.plot:
+            print(f"\nplot written to {args.plot}", file=out)

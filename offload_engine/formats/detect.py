@@ -5,6 +5,8 @@ command uses (consolidate, inspect, diff, export).
 path                                   kind
 =====================================  ===============================================
 dir with zarr.json, format ...-store   ``store`` (a live TieredStore directory)
+dir of ``rank{r}`` stores              a store root: ``store_root_ranks`` lists them
+                                         (``inspect`` lists each; others take one)
 dir with zarr.json, format ...-ckpt    ``checkpoint`` (one generation)
 dir with ``latest`` naming a group     ``checkpoint`` (the generation ``latest`` names)
 dir with ``latest`` naming a folder    ``deepspeed`` (the tag folder ``latest`` names)
@@ -18,6 +20,7 @@ dir of ``*_optim_states.pt``           ``deepspeed`` (that tag folder)
 from __future__ import annotations
 
 import os
+import re
 
 from ..layout.generations import PARTIAL, is_generation_name
 from .deepspeed.files import is_optim_file
@@ -46,6 +49,30 @@ def _says_checkpoint(d: str) -> bool:
             return f'"format":"{FORMATS["checkpoint"]}"'.encode() in f.read(4096)
     except OSError:
         return False
+
+
+_RANK_DIR = re.compile(r"rank(\d+)")
+
+
+def store_root_ranks(path: str) -> list[tuple[int, str]]:
+    """``[(rank, folder)]`` when ``path`` is the root of a ZeroMuon store (the directory
+    given as ``nvme_paths``: no zarr.json of its own, one store folder ``rank{r}`` per
+    rank), in rank order; else ``[]``. A folder whose manifest cannot be read is left
+    out (opening it says what is wrong)."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "zarr.json")):
+        return []
+    found = []
+    for name in os.listdir(path):
+        m = _RANK_DIR.fullmatch(name)
+        if m is None:
+            continue
+        folder = os.path.join(path, name)
+        try:
+            if _group_format(folder) == FORMATS["store"]:
+                found.append((int(m.group(1)), folder))
+        except (CheckpointError, OSError):
+            continue
+    return sorted(found)
 
 
 def _not_torn(name: str, where: str) -> None:
@@ -157,5 +184,11 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
     if any(f.endswith(".safetensors") or f == "model.safetensors.index.json"
            for f in os.listdir(path)):
         return "safetensors", path, None
+    ranks = store_root_ranks(path)
+    if ranks:
+        shown = ", ".join(os.path.basename(d) for _, d in ranks[:4]) + (
+            ", ..." if len(ranks) > 4 else "")
+        raise FormatError(f"{path}: the root of a store (one folder per rank: {shown}); pass "
+                          f"one rank's folder, e.g. {ranks[0][1]} (`inspect` lists them all)")
     raise FormatError(f"{path}: not a store, a checkpoint, a DeepSpeed checkpoint or "
                        f"safetensors (no zarr.json, 'latest', *_optim_states.pt or *.safetensors)")

@@ -5,7 +5,8 @@
   world size, the arrays and the checksums. Listing reads this and nothing else.
 - One **shard table** per rank, in the attributes of the group ``rank{r}`` (the folder
   that holds rank r's arrays): where that rank's rows of every tensor sit in its arrays.
-  Reading data reads the tables of the ranks it needs.
+  Reading data reads the tables of the ranks it needs. A live store holds one rank, in
+  its own folder: its shard table is the ``shards`` attribute of the store's group.
 
 A per-shard list in the tensor table made a 50,000-tensor, 8-rank manifest 61 MB (134 MB
 indented) that listing had to parse; the tensor table alone is about 7 MB.
@@ -28,6 +29,10 @@ SHARDS = "shards"
 # 2: the shard tables left the tensor table (version 1 listed every shard in it). Stores
 # write 2; so did checkpoints before their metadata was checksummed.
 MANIFEST_VERSION = 2
+# 3: a live store of one rank is one folder: its arrays carry no rank prefix, and its
+# shard table is the group's own ``shards`` attribute beside the tensor table (version 2
+# nested them in a group rank{r} inside the rank's folder: store/rank0/rank0/<array>)
+STORE_VERSION = 3
 # 3: a checkpoint's manifest records the crc32c of every other metadata file and ends with
 # its seal (metadata_crc.py); the tables themselves are version 2's
 METADATA_CRC_VERSION = 3

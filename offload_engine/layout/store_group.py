@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 
 from .group import create_group, read_group, write_group_attributes
-from .manifest import MANIFEST_VERSION, STORE_FORMAT
+from .manifest import STORE_FORMAT, STORE_VERSION
 from .metadata import metadata_path
 
-# the optimizer's tensor table shares the group, so the store's version is the manifest's
-STORE_FORMAT_VERSION = MANIFEST_VERSION
+# the optimizer's tables share the group, so the store's version says where they are
+STORE_FORMAT_VERSION = STORE_VERSION
 STORE_KEYS = frozenset({"format", "format_version", "arrays", "stripes"})
 
 

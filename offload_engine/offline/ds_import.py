@@ -11,7 +11,7 @@ from the pickle runs), window by window; the generation is written by the checkp
 layer's own writer and commit (``import_writer.py``), resharded to ``world_size`` ranks
 as FSDP2 ``Shard(0)`` rows. What is imported: the fp32 masters (``param`` in the model's
 dtype, and ``master_param`` where that is not fp32), Adam's moments and step count, the
-momentum of DeepSpeed's ZeRO-3 Muon, the model's buffers, and, in the generation's
+momentum of DeepSpeed's Muon (ZeRO-1/2/3), the model's buffers, and, in the generation's
 attributes under ``imported``, the engine's global step and samples, the LR scheduler's
 state and DeepSpeed's param groups. See docs/migrate.md, "Importing a DeepSpeed
 checkpoint".
@@ -116,7 +116,8 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
         progress: ``progress(rank, bytes written so far)`` after each target rank.
 
     Raises FormatError naming the file for a corrupt, incomplete or unsupported checkpoint
-    (NVMe-offloaded optimizer state, ZeRO-1/2 Muon momentum, Muon on a non-matrix).
+    (NVMe-offloaded optimizer state, ZeRO-1/2 Muon momentum of sizes that are not the
+    whole parameters overlapping each rank's partition, Muon on a non-matrix).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
@@ -129,9 +130,8 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
                           f"which are not read; resume it in DeepSpeed without NVMe offload and save again")
     param_dtype = model_dtype(model_config)
     with DeepSpeedSource(ckpt, tag) as src:
-        if src.stage12_momentum is not None:
-            raise FormatError(f"{src.stage12_momentum}: Muon momentum of a ZeRO-{src.stage} run "
-                              f"(whole parameters per rank) is not supported; ZeRO-3 Muon runs are")
+        if src.stage12_momentum is not None:  # a layout not mapped: never imported as momentum
+            raise FormatError(src.stage12_momentum)
         if param_dtype is None and src.bf16:
             param_dtype = as_dtype("bfloat16")
         plans, disagreements, notes = plan_tensors(src.tensors(), src.optimizer, param_dtype,

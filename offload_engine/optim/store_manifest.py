@@ -1,7 +1,7 @@
 """What ZeroMuon records in its store (docs/format.md, "Manifest"), so offline tools can
 show a live store per parameter: the tensor table (global shape, dtype, optimizer kind,
-state dtypes) in the store's group attributes, and this rank's shard table (where its rows
-of every state sit in the flat arrays) in group ``rank{r}``. The planner sizes the same
+state dtypes) in the store's group attributes, and beside it (``shards``) this rank's shard
+table (where its rows of every state sit in the flat arrays). The planner sizes the same
 tables with ``manifest_tables`` (pure: no torch)."""
 
 from __future__ import annotations

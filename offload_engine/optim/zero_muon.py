@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..io import syscalls
-from ..layout.manifest import rank_group, write_shard_table
+from ..layout.manifest import SHARDS
 from ..store import StoreConfig, TieredStore
 from ..store.geometry import array_pool_bytes
 from ..units import PAGE
@@ -43,6 +43,7 @@ from .state_layout import build_layout
 from .state_view import StateView
 from .step_events import SLOTS, Leases, kept_tails, pool_use, working_buckets
 from .step_stats import StepStats
+from .store_dir import STALE_STORE_CHOICES, array_home, rank_store_config, stale_store_message
 from .store_manifest import store_manifest
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ class ZeroMuon(torch.optim.Optimizer):
         adamw: AdamW defaults overriding those of ``torch.optim.AdamW`` (``lr=1e-3,
             betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False``).
         store: a store config (dict or StoreConfig) from which each rank opens its own
-            TieredStore (``nvme_paths`` get a ``rank{r}`` subfolder), an open TieredStore
-            (yours to close), or None: state in pinned CPU memory, sized to fit.
+            TieredStore (``nvme_paths`` get a ``rank{r}`` subfolder, which holds that
+            rank's arrays), an open TieredStore (yours to close), or None: state in pinned
+            CPU memory, sized to fit.
         master_weights: keep fp32 master copies of non-fp32 parameters in the store and run
             the math (and keep the state) in fp32; the parameter gets the rounded result.
         use_muon_rule: ``f(name, param) -> bool`` for groups without ``use_muon``.
@@ -70,6 +72,12 @@ class ZeroMuon(torch.optim.Optimizer):
             name from the model, and embedding tables and output heads (by module:
             ``nn.Embedding``, ``get_input/output_embeddings()``) stay on AdamW whatever their
             names. Without it, unnamed 2-D parameters go to Muon with a warning.
+        stale_store: what to do when a rank's store folder holds state an earlier run left
+            there (a crashed run's): ``"refuse"`` (the default: a ValueError naming the
+            folder and how to resume) or ``"discard"``: remove it, and start from zero state
+            as a new run does. Resuming a run into its old store directory is
+            ``stale_store="discard"`` followed by ``load_checkpoint``; the old store's bytes
+            are never read. A store another process has open is refused either way.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1,
@@ -79,8 +87,12 @@ class ZeroMuon(torch.optim.Optimizer):
                  adjust_lr_fn: str | None = None, *, adamw: dict | None = None,
                  store: StoreConfig | dict | TieredStore | None = None,
                  master_weights: bool = False, use_muon_rule=default_use_muon,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, stale_store: str = "refuse"):
         self._ready = False
+        if stale_store not in STALE_STORE_CHOICES:
+            raise ValueError(f"stale_store must be one of {STALE_STORE_CHOICES}, got "
+                             f"{stale_store!r}")
+        self._stale_store = stale_store
         self._muon_defaults = dict(MUON_DEFAULTS, lr=lr, weight_decay=weight_decay,
                                    momentum=momentum, nesterov=nesterov,
                                    ns_coefficients=tuple(ns_coefficients), eps=eps,
@@ -133,7 +145,8 @@ class ZeroMuon(torch.optim.Optimizer):
         else:
             self.world, self.rank = 1, 0
         self.store_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.prefix = f"{rank_group(self.store_rank)}/"
+        # a rank's store is its own folder: its arrays go by their layout names
+        self.prefix = ""
 
         cfg = self._store_config(store)
         describe(infos, self.group, self.world, self.rank,
@@ -196,10 +209,7 @@ class ZeroMuon(torch.optim.Optimizer):
         if store is None:
             return StoreConfig.load({"default_home": "cpu"})
         cfg = store if isinstance(store, StoreConfig) else StoreConfig.load(dict(store))
-        if cfg.nvme_paths:
-            cfg = StoreConfig.load({**cfg.model_dump(), "nvme_paths": [
-                os.path.join(p, rank_group(self.store_rank)) for p in cfg.nvme_paths]})
-        return cfg
+        return rank_store_config(cfg, self.store_rank)
 
     def _open_store(self, store, cfg: StoreConfig) -> None:
         # pinned bytes of all state resident at once (each bucket page-rounded, as the pool takes it)
@@ -217,20 +227,20 @@ class ZeroMuon(torch.optim.Optimizer):
         self._own_store = not isinstance(store, TieredStore)
         self._pinned: list = []
         if self._own_store:
-            for p in cfg.nvme_paths:
-                for name in self.layout.arrays:
-                    if os.path.exists(os.path.join(p, self.prefix + name, "zarr.json")):
-                        raise ValueError(f"{os.path.join(p, self.prefix + name)} holds optimizer "
-                                         "state from an earlier run; give the store an empty "
-                                         "directory (resume with load_state_dict)")
-            self.store = TieredStore(cfg)
+            self.store = TieredStore(cfg)  # holds the directory's write lock from here
+            try:
+                self._handle_earlier_run()
+            except BaseException:
+                self.store.close()
+                raise
         else:
             self.store = store
         try:
             spare = self._check_budget(cfg, needed)
             homes = {}
             for name, a in self.layout.arrays.items():
-                homes[name] = self.store.register(self.array_name(name), a.dtype.torch, a.numel).home
+                homes[name] = self.store.register(self.array_name(name), a.dtype.torch, a.numel,
+                                                  home=self._home_of(cfg, name)).home
             # short last buckets of NVMe arrays stay acquired when the pool has room for them
             for n, b in kept_tails(self.layout, homes, spare):
                 self._pinned.append(self.store.keep(self.array_name(n), b))
@@ -238,8 +248,7 @@ class ZeroMuon(torch.optim.Optimizer):
             self.store.set_schedule(self._orders[False], self._orders[True])
             if self.store.root is not None:
                 tensors, shards = store_manifest(self)
-                write_shard_table(self.store.root, self.rank, shards)  # before the table naming it
-                self.store.update_manifest(tensors)
+                self.store.update_manifest({**tensors, SHARDS: shards})  # one atomic write
         except Exception:
             self._release_pinned()
             if self._own_store:
@@ -249,6 +258,23 @@ class ZeroMuon(torch.optim.Optimizer):
                     pass
                 self._remove_new_arrays(cfg)
             raise
+
+    def _handle_earlier_run(self) -> None:
+        """Refuse or discard (``stale_store``) the state an earlier run left in the store
+        folder; the store holds its lock, so that run is not alive."""
+        earlier = self.store.earlier_run([self.array_name(n) for n in self.layout.arrays])
+        if earlier is None:
+            return
+        if self._stale_store != "discard" and earlier.arrays:
+            raise ValueError(stale_store_message(earlier.root, earlier.describe()))
+        if earlier.arrays:
+            log.warning("ZeroMuon: discarding the state an earlier run left in %s (%s); "
+                        "load a checkpoint to resume it", earlier.root, earlier.describe())
+        self.store.discard_earlier_run(earlier)
+
+    def _home_of(self, cfg: StoreConfig, name: str) -> str:
+        """Home tier of layout array ``name`` (``homes`` keys of either naming match)."""
+        return array_home(cfg, self.array_name(name), self.store_rank)
 
     def _remove_new_arrays(self, cfg: StoreConfig) -> None:
         """After a failed construction (a full disk while registering, say): remove the
@@ -266,7 +292,7 @@ class ZeroMuon(torch.optim.Optimizer):
 
     def _check_budget(self, cfg: StoreConfig, total: int) -> int:
         """Raise if the pool cannot hold what a step needs; return the bytes left over."""
-        homes = {n: cfg.home_of(self.array_name(n)) for n in self.layout.arrays}
+        homes = {n: self._home_of(cfg, n) for n in self.layout.arrays}
         if "auto" in homes.values():
             return 0  # the store decides; it keeps working room itself
         use = pool_use(self.layout, homes, cfg.cpu_budget)

@@ -25,7 +25,7 @@ from .. import dtypes
 from ..dtypes import BFLOAT16, FLOAT32, DType
 from ..layout.flat_array import chunk_bytes_for
 from ..layout.group import group_doc
-from ..layout.manifest import SHARDS, fsdp_rows, rank_group
+from ..layout.manifest import SHARDS, fsdp_rows
 from ..layout.store_group import store_array_entry, store_group_attributes
 from ..layout.metadata import compact_json, new_array_doc
 from ..optim.muon_defaults import DEFAULT_NS_STEPS
@@ -348,19 +348,17 @@ def compute_bytes(st: RankState, model: ModelShapes, opts: PlanOptions, gpu_budg
 def store_metadata_bytes(arrays: list[ArrayPlan], stripes: list[str],
                          tables: tuple[dict, dict]) -> int:
     """Bytes of a rank's store metadata besides its arrays' zarr.json: the group's zarr.json
-    (the manifest as TieredStore writes it, compact, with ZeroMuon's tensor table from
-    ``tables`` = ``rank_tables(...)`` merged into it) and the shard table in
-    ``rank{r}/zarr.json``."""
+    (the manifest as TieredStore writes it, compact, with ZeroMuon's tensor table and shard
+    table from ``tables`` = ``rank_tables(...)`` merged into it)."""
     root, shards = tables
     attrs = store_group_attributes(
-        {f"rank0/{a.name}": store_array_entry(a.dtype.name, a.numel, "nvme", a.bucket_elems)
-         for a in arrays}, stripes, {**root, "step": 0})
-    return (len(compact_json(group_doc({SHARDS: shards}))) + 1
-            + len(compact_json(group_doc(attrs))) + 1)
+        {a.name: store_array_entry(a.dtype.name, a.numel, "nvme", a.bucket_elems)
+         for a in arrays}, stripes, {**root, SHARDS: shards, "step": 0})
+    return len(compact_json(group_doc(attrs))) + 1
 
 
 def rank_tables(st: RankState, world: int) -> tuple[dict, dict]:
     """ZeroMuon's manifest tables for rank ``st.rank`` (``optim.store_manifest``): every
     parameter is FSDP2-sharded when ``world`` > 1."""
-    return manifest_tables(st.infos, st.layout, st.rank, world, lambda n: f"{rank_group(st.rank)}/{n}",
+    return manifest_tables(st.infos, st.layout, st.rank, world, lambda n: n,
                            lambda i: fsdp_rows(i.rows, world))

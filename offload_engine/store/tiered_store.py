@@ -36,6 +36,7 @@ from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .completions import CompletionQueue
 from .config import StoreConfig
+from .earlier_run import EarlierRun, find_earlier_run, remove_earlier_arrays
 from .errors import for_bucket
 from .lock import WriteLock
 from .policy import Credit, ResidencyPolicy
@@ -230,6 +231,24 @@ class TieredStore:
                                              a.bucket_elems)
                    for a in arrays.values() if a.home == "nvme"}
         write_store_group(self.root, entries, self._stripes, extra)
+
+    def earlier_run(self, names=()) -> EarlierRun | None:
+        """What an earlier run left in the store directory (``store/earlier_run.py``): the
+        arrays its manifest lists and those of ``names`` found on disk; None if nothing.
+        Meaningful before anything is registered."""
+        return None if self.root is None else find_earlier_run(self.root, names)
+
+    def discard_earlier_run(self, earlier: EarlierRun) -> None:
+        """Remove what ``earlier`` found (arrays, their striped chunks, the tables of the
+        layers above) so that none of it is ever read as current state. The store holds
+        the directory's write lock, so no live writer loses anything; call it before
+        registering any array."""
+        with self._lock:
+            if self._arrays:
+                raise RuntimeError("discard_earlier_run: arrays are registered already")
+            remove_earlier_arrays(earlier, self._stripes)
+            self._write_manifest({}, {})
+            self._manifest_extra = {}
 
     def update_manifest(self, entries: dict) -> None:
         """Merge ``entries`` (JSON-serialisable) into the store's manifest (the group

@@ -107,6 +107,30 @@ def zero12_layout(group_params: Sequence[Sequence[tuple[str, int]]],
     return out
 
 
+def zero12_momentum_layout(layout: dict[str, list[Piece]]) -> tuple[dict[str, list[Piece]], dict]:
+    """ZeRO-1/2 Muon momentum (DeepSpeed's ``MuonWithAuxAdam`` at stage 1 or 2), from the
+    fp32 ``layout`` of ``zero12_layout``.
+
+    Each rank keeps, per param group, the momentum of every parameter that overlaps its
+    partition, whole (not only its partition's elements), back to back in the group's
+    parameter order (``_muon_momentum_buffer`` in ``stage_1_and_2.py``): a parameter that
+    straddles two partitions is kept by both ranks, identically. Each parameter is read
+    from the lowest rank that keeps it.
+
+    Returns ``({name: [Piece]}, {(rank, group): elements its momentum must hold})``;
+    source keys are ``(rank, group)``.
+    """
+    used: dict = {}
+    out: dict[str, list[Piece]] = {}
+    for name, pieces in layout.items():  # group by group, each in parameter order
+        keepers = sorted({p.src for p in pieces if p.count})
+        numel = sum(p.count for p in pieces)
+        out[name] = [Piece(0, numel, keepers[0], used.get(keepers[0], 0))] if keepers else []
+        for key in keepers:
+            used[key] = used.get(key, 0) + numel
+    return out, used
+
+
 def zero3_layout(params: Sequence[tuple[str, int]],
                  group_numels: Sequence[Sequence[int]]) -> dict[str, list[Piece]]:
     """ZeRO-3 trainable parameters.

@@ -8,11 +8,12 @@ trainable parameters; tied names (``shared_params``) are aliases of their owner.
 States: a trainable parameter has ``master`` (its fp32 master weights, in
 ``single_partition_of_fp32_groups`` for ZeRO-1/2 or ``fp32_flat_groups`` for ZeRO-3) and,
 where the files hold them for every partition, the Adam moments ``exp_avg`` and
-``exp_avg_sq``: in every rank file the moments of param group (ZeRO-1/2) or sub-group
+``exp_avg_sq`` (and DeepSpeed Muon's ``momentum_buffer``): in every rank file the moments of param group (ZeRO-1/2) or sub-group
 (ZeRO-3) ``g`` are flat tensors that cover that group's fp32 partition element for element
 (a last rank's moments keep the tail padding its saved partition drops), so a parameter's
 moment lies at the same elements of ``state[g]["exp_avg"]`` as its master weights in the
-partition. Frozen parameters (ZeRO-3 fragments, or ZeRO-1/2 module entries) and buffers
+partition. ZeRO-1/2 Muon is the exception: each rank keeps the momentum of the whole
+parameters overlapping its partition (``partitions.zero12_momentum_layout``). Frozen parameters (ZeRO-3 fragments, or ZeRO-1/2 module entries) and buffers
 have ``param``.
 
 Where the moments are (DeepSpeed 0.19): ZeRO-1/2 ``optimizer_state_dict
@@ -37,7 +38,8 @@ from ..pt_limits import MAX_EXTENT, MAX_NDIM
 from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt, short_repr
 from ..source import ReadRequest, TensorSource, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
-from .partitions import Piece, PartitionError, fragments_layout, zero3_layout, zero12_layout
+from .partitions import (Piece, PartitionError, fragments_layout, zero3_layout, zero12_layout,
+                         zero12_momentum_layout)
 from .scatter_read import ScatterReader, Segment, segment_wants
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -379,19 +381,32 @@ class DeepSpeedSource(TensorSource):
             hyper = hyper or param_groups
         self.param_groups = hyper or []
         self._stage12_momentum = None
+        # ZeRO-1/2 Muon keeps whole parameters' momentum per rank, not the partition's
+        # elements: its own layout (None: this is not such a run)
+        layouts = {}
+        if self.stage <= 2:
+            layouts["momentum_buffer"], momentum_numels = zero12_momentum_layout(layout)
         for moment in OPTIMIZER_STATES:
             found = {}
             for r, lst in enumerate(masters):
                 for g, master in enumerate(lst):
                     group_state = inner[r].get(g)
                     ref = group_state.get(moment) if isinstance(group_state, dict) else None
-                    if moment == "momentum_buffer" and self.stage <= 2 and isinstance(ref, TensorRef):
-                        # ZeRO-1/2 Muon keeps whole parameters' momentum per rank, not the
-                        # partition's elements: another layout, not mapped here
-                        self._stage12_momentum = self._stage12_momentum or self._optims[r].path
-                    elif isinstance(ref, TensorRef) and ref.numel >= master.numel:
+                    if not isinstance(ref, TensorRef):
+                        continue
+                    if moment in layouts:
+                        if ref.numel != momentum_numels.get((r, g), 0):
+                            # not the layout above: never read as momentum (the first found)
+                            self._stage12_momentum = self._stage12_momentum or (
+                                f"{self._optims[r].path}: param group {g}'s Muon momentum "
+                                f"holds {ref.numel} elements, but the parameters overlapping "
+                                f"rank {r}'s partition hold {momentum_numels.get((r, g), 0)} "
+                                f"(a ZeRO-{self.stage} momentum layout this reader does not know)")
+                            break
                         found[(r, g)] = (r, ref)
-            if moment == "momentum_buffer" and self.stage <= 2:
+                    elif ref.numel >= master.numel:
+                        found[(r, g)] = (r, ref)
+            if moment in layouts and self._stage12_momentum is not None:
                 continue
             if found:
                 refs[moment] = found
@@ -399,7 +414,7 @@ class DeepSpeedSource(TensorSource):
         for state, by_src in refs.items():
             # a state covers the tensors whose every piece lies in a partition that holds it
             # (a Muon run: momentum_buffer in the Muon sub-groups, the moments in the others)
-            covered = {name: pieces for name, pieces in layout.items()
+            covered = {name: pieces for name, pieces in layouts.get(state, layout).items()
                        if all(p.src in by_src for p in pieces)}
             try:
                 found = {name: self._segments_of(name, state, pieces, by_src, home)
@@ -486,8 +501,8 @@ class DeepSpeedSource(TensorSource):
 
     @property
     def stage12_momentum(self) -> str | None:
-        """The rank file holding ZeRO-1/2 Muon momentum (whole parameters per rank, a layout
-        this reader does not map), or None."""
+        """Why ZeRO-1/2 Muon momentum could not be mapped (naming the rank file: its size
+        is not that of the whole parameters overlapping the rank's partition), or None."""
         return self._stage12_momentum
 
     def describe(self) -> str:

@@ -30,8 +30,8 @@ from ...io import AsyncFileIO, BufferPool
 from ...io.align import as_byte_view
 from ...layout import FlatArray, MetadataError, NodeNotFoundError
 from ...layout.checksums import ChecksumError, mismatch
-from ...layout.manifest import (array_metadata_key, read_shard_table, shard_table_key,
-                                shard_table_path)
+from ...layout.manifest import (SHARDS, array_metadata_key, read_shard_table,
+                                shard_table_key, shard_table_path)
 from ...layout.member_paths import inside
 from ...layout.metadata_crc import file_crc32c
 from ...units import MiB
@@ -80,6 +80,9 @@ class OursSource(TensorSource):
                 attrs = read_manifest_attrs(self.group)
             self.manifest = parse_manifest(attrs, kind, where)
         m = self.manifest
+        # a store of one rank in its own folder keeps that rank's shard table beside the
+        # tensor table (format version 3); others in group rank{r}
+        self._inline_table = attrs.get(SHARDS) if m.inline_shards else None
         self._check_ranks()
         files = [(where, os.path.getsize(where))] + self._stat_shard_tables()
         self._stat_arrays()
@@ -133,8 +136,16 @@ class OursSource(TensorSource):
                    **options)
 
     # -- metadata: what listing checks without reading ------------------------------------
+    def _table_path(self, rank: int) -> str:
+        """The zarr.json that holds rank ``rank``'s shard table."""
+        if self.manifest.inline_shards:
+            return os.path.join(self.group, "zarr.json")
+        return shard_table_path(self.group, rank)
+
     def _stat_shard_tables(self) -> list[tuple[str, int]]:
         """(path, bytes) of each held rank's shard table; a missing one names the rank."""
+        if self.manifest.inline_shards:
+            return []  # in the manifest, counted already
         out = []
         for r in self.manifest.ranks:
             path = shard_table_path(self.group, r)
@@ -145,8 +156,23 @@ class OursSource(TensorSource):
         return out
 
     def _missing_table(self, rank: int) -> CheckpointError:
-        return CheckpointError(f"{shard_table_path(self.group, rank)}: rank {rank}'s shard "
+        return CheckpointError(f"{self._table_path(rank)}: rank {rank}'s shard "
                                f"table is missing (rank {rank} missing?)")
+
+    def _read_table(self, rank: int) -> dict:
+        """Rank ``rank``'s shard table, parsed (its crc32c checked where recorded)."""
+        if self.manifest.inline_shards:
+            if not isinstance(self._inline_table, dict):
+                raise CheckpointError(f"{self._table_path(rank)}: no shard table (a "
+                                      f"'{SHARDS}' object in the store's attributes)")
+            return self._inline_table
+        crcs = self.manifest.metadata_crcs
+        try:
+            return read_shard_table(self.group, rank, crcs[shard_table_key(rank)] if crcs else None)
+        except NodeNotFoundError:  # deleted since listing checked it
+            raise self._missing_table(rank) from None
+        except MetadataError as e:
+            raise CheckpointError(str(e)) from None
 
     def _missing_array(self, name: str) -> CheckpointError:
         rank = self.manifest.arrays[name].rank
@@ -232,17 +258,10 @@ class OursSource(TensorSource):
         todo = [r for r in ranks if r not in tables.ranks]
         if not todo:
             return
-        crcs = self.manifest.metadata_crcs
         with gc_paused():
             for r in todo:
-                try:
-                    doc = read_shard_table(self.group, r,
-                                           crcs[shard_table_key(r)] if crcs else None)
-                except NodeNotFoundError:  # deleted since listing checked it
-                    raise self._missing_table(r) from None
-                except MetadataError as e:
-                    raise CheckpointError(str(e)) from None
-                tables.add(r, doc, shard_table_path(self.group, r))
+                doc = self._read_table(r)
+                tables.add(r, doc, self._table_path(r))
                 del doc
 
     def placements(self) -> dict:

@@ -20,7 +20,8 @@ from ... import dtypes
 from ...dtypes import DType
 from ...layout import MetadataError, NodeNotFoundError, read_group
 from ...layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_VERSION,
-                                METADATA_CRC_VERSION, STORE_FORMAT, array_metadata_key,
+                                METADATA_CRC_VERSION, SHARDS, STORE_FORMAT, STORE_VERSION,
+                                array_metadata_key,
                                 shard_table_key)
 from ...layout.member_paths import name_problem
 from ...layout.metadata_crc import METADATA_KEY, SEAL_KEY
@@ -29,8 +30,9 @@ from .bounds import RowSplit, check_capacity, held_ranks_checked
 from ..source import StateMeta, TensorMeta
 
 FORMATS = {"store": STORE_FORMAT, "checkpoint": CHECKPOINT_FORMAT}
-# version 2 checkpoints (written before metadata checksums) stay readable
-KNOWN_VERSIONS = {"store": (MANIFEST_VERSION,),
+# version 2 checkpoints (written before metadata checksums) stay readable, and so do
+# version 2 stores (the rank's arrays and shard table one level down, in group rank{r})
+KNOWN_VERSIONS = {"store": (MANIFEST_VERSION, STORE_VERSION),
                   "checkpoint": (MANIFEST_VERSION, METADATA_CRC_VERSION, CHECKPOINT_VERSION)}
 _RANK_PREFIX = re.compile(r"^rank(\d+)/")
 _RANK_TABLE = re.compile(r"rank(\d+)/zarr\.json")
@@ -78,6 +80,9 @@ class Manifest:
     has_tensor_table: bool = True
     placements: dict | None = None          # known at once only for a store without tensors
     extra: dict = field(default_factory=dict)
+    # the group's own attributes hold its one rank's shard table, ``shards`` (a store
+    # since version 3, whose arrays sit in its own folder with no rank prefix)
+    inline_shards: bool = False
 
     @property
     def all_ranks(self) -> bool:
@@ -161,7 +166,7 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     extra = {k: v for k, v in attrs.items()
              if k not in ("format", "format_version", "step", "world_size", "arrays",
                           "tensors", "checksums", "committed", "stripes", METADATA_KEY,
-                          SEAL_KEY)}
+                          SEAL_KEY, SHARDS)}
     tensors_doc = attrs.get("tensors")
     if tensors_doc is None:
         tensors, placements = _bare_arrays(arrays)
@@ -170,10 +175,17 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
     if world is None:
         raise CheckpointError(f"{where}: a manifest with a tensor table needs 'world_size'")
     ranks = held_ranks_checked(attrs, world, arrays, where)  # before any list of ranks
+    # a store of one rank written since version 3 keeps its table beside the tensor table;
+    # one without it (version 2, or a store holding every rank) in group rank{r}
+    inline = kind == "store" and "rank" in attrs and SHARDS in attrs
+    if inline:  # one rank's folder: each of its arrays is that rank's
+        for a in arrays.values():
+            if a.rank is None:
+                a.rank = ranks[0]
     tensors, rows, per_split = _parse_tensors(tensors_doc, world, ranks, where)
     check_capacity(per_split, ranks, tensors, arrays, where)  # before a shape sizes anything
     return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
-                    metadata_crcs, committed, True, None, extra)
+                    metadata_crcs, committed, True, None, extra, inline)
 
 
 def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
