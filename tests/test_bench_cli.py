@@ -35,7 +35,8 @@ def _check_result(doc: dict, *, size: int, runs: int, baseline: str) -> None:
     assert doc["size_bytes"] == size and doc["runs"] == runs
     assert doc["baseline"] == baseline
     assert isinstance(doc["direct"], bool)
-    assert set(doc["methods"]) == {"engine", baseline, "zarr_python", "tensorstore"}
+    peers = {baseline, "zarr_python", "tensorstore"} | ({"fio_buffered"} if baseline == "fio" else set())
+    assert set(doc["methods"]) == {"engine"} | peers
     for name, m in doc["methods"].items():
         assert METHOD_KEYS <= set(m), name
         assert m["write_gbps"] > 0 and m["read_gbps"] > 0, name
@@ -55,6 +56,14 @@ def _check_result(doc: dict, *, size: int, runs: int, baseline: str) -> None:
         assert doc["fio_args"] is None
     if doc["direct"]:
         assert doc["engine"]["direct_pieces"] > 0 and doc["engine"]["buffered_pieces"] == 0
+    for column in ("read", "write"):  # the best peer per direction, and the engine's ratio
+        best = doc["best_peer"][column]
+        assert best["method"] in peers
+        assert best["gbps"] == max(doc["methods"][p][f"{column}_gbps"] for p in peers)
+        assert best["engine_vs_best"] == pytest.approx(best["engine_gbps"] / best["gbps"], rel=0.01)
+        io = doc["io"][column]  # the engine's settings, and where they came from
+        assert io["mode"] in ("direct", "buffered") and io["source"] in ("config", "profile",
+                                                                          "default")
 
 
 def test_json_has_every_key_and_positive_numbers(disk_dir, capsys):

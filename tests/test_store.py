@@ -472,11 +472,32 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# (read mode, write mode) per store; "switching" changes both at every step, as the adaptive
+# controller may (io/adaptive.py): the bytes must not care
+IO_MODES = {"direct": ("direct", "direct"), "buffered": ("buffered", "buffered"),
+            "buffered-reads": ("buffered", "direct"), "buffered-writes": ("direct", "buffered"),
+            "switching": ("direct", "buffered")}
+
+
+def _switch_modes(s) -> None:
+    from offload_engine.io.settings import DirectionSettings
+
+    for op in ("read", "write"):
+        now = s.io.settings(op)
+        flip = "buffered" if now.mode == "direct" else "direct"
+        s.set_io_settings(op, DirectionSettings(flip, 1 + now.queue_depth % 3,
+                                                now.block_bytes, "adaptive"))
+
+
+@pytest.mark.parametrize("io_mode", sorted(IO_MODES))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=60), budget=st.integers(4, 7), depth=st.integers(0, 3))
-def test_random_operations_match_an_in_memory_model(ops, budget, depth):
+def test_random_operations_match_an_in_memory_model(io_mode, ops, budget, depth):
+    read_mode, write_mode = IO_MODES[io_mode]
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
-        s = make_store(d, cpu_budget=budget * B, prefetch_depth=depth, acquire_timeout_s=5)
+        s = make_store(d, cpu_budget=budget * B, prefetch_depth=depth, acquire_timeout_s=5,
+                       read_mode=read_mode, write_mode=write_mode)
+        assert s.io.settings("read").mode == read_mode
         model = {}
         for name, (dtype, numel, home) in ARRAYS.items():
             s.register(name, dtype, numel, home=home)
@@ -507,13 +528,15 @@ def test_random_operations_match_an_in_memory_model(ops, budget, depth):
                 ranges = s.bucket_ranges(o[1])
                 s.prefetch([(o[1], o[2] % len(ranges))])
             elif o[0] == "step" and not held:
+                if io_mode == "switching":
+                    _switch_modes(s)
                 s.begin_step()
             elif o[0] == "flush":
                 s.flush()
         for h, new in held:
             s.release(h, dirty=new is not None)
         s.close()
-        s = make_store(d)
+        s = make_store(d, read_mode=write_mode, write_mode=read_mode)  # the other way round
         for name, (dtype, numel, home) in ARRAYS.items():
             s.register(name, dtype, numel, home=home)
             if home != "nvme":

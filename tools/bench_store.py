@@ -13,6 +13,11 @@ bytes the step must move (one read and one write of each bucket not resident) at
 bandwidth fio measures in the same run for the same mix (50/50 read/write, O_DIRECT, the
 store's block size and queue depth). Goal: wall time <= 1.10x the bound in both settings.
 
+Without --block-size and --queue-depth the store uses its defaults: the device profile's
+choice per direction (docs/store.md, I/O settings), reported under "io"; fio then runs at
+the profile's read block size and queue depth. Each setting's store directory is removed
+before the next one starts, so the disk needs room for one state, not two.
+
     python tools/bench_store.py --path /nvme/bench --state 2GiB --cpu-budget 512MiB
 """
 
@@ -83,10 +88,13 @@ def run_setting(args, directory: str, factor: float, disk_gbps: float) -> dict:
     per_bucket_io_s = 2 * bucket / (disk_gbps * 1e9)  # one read + one write at the mixed rate
     compute_s = factor * per_bucket_io_s
     cfg = dict(nvme_paths=[directory], cpu_budget=args.cpu_budget, bucket_bytes=bucket,
-               io_threads=args.queue_depth, queue_depth=args.queue_depth,
-               block_size=args.block_size, prefetch_depth=args.prefetch_depth,
-               acquire_timeout_s=600)
+               prefetch_depth=args.prefetch_depth, acquire_timeout_s=600)
+    if args.queue_depth is not None:
+        cfg.update(io_threads=args.queue_depth, queue_depth=args.queue_depth)
+    if args.block_size is not None:
+        cfg["block_size"] = args.block_size
     with TieredStore(cfg) as store:
+        io = store.io_settings()
         numel = args.state // 4
         store.register("state", torch.float32, numel)
         nb = len(store.bucket_ranges("state"))
@@ -94,6 +102,8 @@ def run_setting(args, directory: str, factor: float, disk_gbps: float) -> dict:
         store.flush()
         store.stats(reset=True)
         rows = replay(store, "state", args.steps, compute_s)
+        io["changes"] = store.io_settings()["changes"]
+    shutil.rmtree(directory, ignore_errors=True)
     measured = []
     for r in rows:
         io_s = (r["read_bytes"] + r["written_bytes"]) / (disk_gbps * 1e9)
@@ -103,7 +113,7 @@ def run_setting(args, directory: str, factor: float, disk_gbps: float) -> dict:
                          "bound_s": bound, "wall_over_bound": r["wall_s"] / bound})
     capacity = args.cpu_budget // bucket
     return {
-        "compute_per_bucket_s": compute_s, "buckets": nb, "pool_buckets": capacity,
+        "compute_per_bucket_s": compute_s, "buckets": nb, "pool_buckets": capacity, "io": io,
         "steps": measured,
         "median_wall_over_bound": statistics.median(m["wall_over_bound"] for m in measured),
         "median_wall_s": statistics.median(m["wall_s"] for m in measured),
@@ -124,8 +134,10 @@ def main(argv=None) -> int:
     p.add_argument("--state", type=parse_bytes, default=parse_bytes("2GiB"), help="state bytes")
     p.add_argument("--cpu-budget", type=parse_bytes, default=parse_bytes("512MiB"))
     p.add_argument("--bucket", type=parse_bytes, default=parse_bytes("64MiB"))
-    p.add_argument("--block-size", type=parse_bytes, default=parse_bytes("8MiB"))
-    p.add_argument("--queue-depth", type=int, default=8)
+    p.add_argument("--block-size", type=parse_bytes, default=None,
+                   help="store and fio block size (default: the device profile's)")
+    p.add_argument("--queue-depth", type=int, default=None,
+                   help="store and fio queue depth (default: the device profile's)")
     p.add_argument("--prefetch-depth", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--fio-runs", type=int, default=3)
@@ -134,12 +146,17 @@ def main(argv=None) -> int:
         p.error("--state must be larger than --cpu-budget (the point is to offload)")
     work = tempfile.mkdtemp(prefix="bench-store-", dir=args.path)
     try:
-        fio = fio_mixed_gbps(work, min(args.state, parse_bytes("1GiB")), args.block_size,
-                             args.queue_depth, args.fio_runs)
+        from offload_engine.io import device_profile
+
+        profile = device_profile.choose(args.path)
+        block = args.block_size or profile["read"]["block_bytes"]
+        qd = args.queue_depth or profile["read"]["queue_depth"]
+        fio = fio_mixed_gbps(work, min(args.state, parse_bytes("1GiB")), block, qd, args.fio_runs)
         disk = fio["mixed"]["gbps"]
         result = {
             "state_bytes": args.state, "cpu_budget": args.cpu_budget, "bucket_bytes": args.bucket,
-            "block_size": args.block_size, "queue_depth": args.queue_depth,
+            "block_size": block, "queue_depth": qd,
+            "profile": {k: profile.get(k) for k in ("source", "read", "write", "probe_s")},
             "prefetch_depth": args.prefetch_depth, "steps": args.steps, "fio": fio,
             "compute_bound": run_setting(args, os.path.join(work, "a"), 2.0, disk),
             "io_bound": run_setting(args, os.path.join(work, "b"), 0.25, disk),

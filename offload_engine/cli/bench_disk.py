@@ -74,6 +74,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--deepspeed-aio", action="store_true",
                    help="print only the best point as a DeepSpeed \"aio\" config block")
+    p.add_argument("--refresh-profile", action="store_true",
+                   help="instead of the sweep, probe DIR's I/O profile again (direct and "
+                        "buffered, a few seconds) and replace the cached one that the "
+                        "store, consolidate, inspect --stats and bench io use")
     p.set_defaults(run=run)
     return p
 
@@ -98,6 +102,8 @@ def settings(args) -> dict:
 
 
 def run(args) -> int:
+    if args.refresh_profile:
+        return refresh_profile(args)
     cfg = settings(args)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else (lambda m: None)
     result = sweep(args.path, say=say, **cfg)
@@ -109,6 +115,38 @@ def run(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_table(result))
+    return 0
+
+
+def refresh_profile(args) -> int:
+    """Probe the device profile of ``args.path`` again, cache it, print what it chose."""
+    from ..io import device_profile
+
+    if not os.path.isdir(args.path):
+        raise DiskBenchError(f"{args.path}: not an existing directory")
+    if not os.access(args.path, os.W_OK):
+        raise DiskBenchError(f"{args.path}: directory is not writable")
+    prof = device_profile.choose(args.path, refresh=True, probe_allowed=True)
+    if prof["source"] != "probe":
+        raise DiskBenchError(f"{args.path}: the probe failed (see the warning above); "
+                             "nothing was cached")
+    if args.json:
+        print(json.dumps(prof, indent=2))
+        return 0
+    lines = [f"I/O profile of {args.path} ({prof['key']['fs_type']} on device "
+             f"{prof['key']['dev']}, mounted at {prof['key']['mount']}): "
+             f"{format_bytes(prof['bytes_per_case'])} per case, {prof['probe_s']:.1f} s",
+             f"{'mode':>9} {'depth':>6} {'block':>10} {'write GB/s':>11} {'read GB/s':>10}"]
+    for p in prof["points"]:
+        lines.append(f"{p['mode']:>9} {p['queue_depth']:>6} {format_bytes(p['block_bytes']):>10} "
+                     f"{p['write_gbps']:>11.2f} {p['read_gbps']:>10.2f}")
+    for op in ("read", "write"):
+        c = prof[op]
+        lines.append(f"{op}: {c['mode']}, queue depth {c['queue_depth']}, block "
+                     f"{format_bytes(c['block_bytes'])} ({c['gbps']:.2f} GB/s)")
+    lines.append(f"saved to {prof['file']}" if prof.get("file") else
+                 "not saved: the cache directory is not writable")
+    print("\n".join(lines))
     return 0
 
 

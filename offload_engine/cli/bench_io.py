@@ -4,13 +4,17 @@ Each run writes SIZE bytes and reads them back with every method, the page cache
 (fdatasync, then posix_fadvise DONTNEED, then a mincore check) before every read:
 
 - engine: a 1-D float32 ``FlatArray`` (zarr v3, CHUNK bytes per chunk file) written from and
-  read into a ring of reusable ``BufferPool`` buffers through ``AsyncFileIO(threads=QD,
-  queue_depth=QD, block_size=BS)``, O_DIRECT where the file system takes it. The array is
+  read into a ring of reusable ``BufferPool`` buffers through ``AsyncFileIO`` with the
+  settings the store would use: per direction the device profile's mode, queue depth and
+  block size (io/device_profile.py; probed once and cached), unless ``--read-mode``,
+  ``--write-mode``, ``--queue-depth`` or ``--block-size`` say otherwise. The array is
   created and preallocated once, untimed (as fio lays out its file before it starts); each
   write run overwrites it in place and its time includes ``fdatasync`` of every chunk file.
-- fio (``--ioengine=libaio --direct=1``, same block size and queue depth, ``--end_fsync=1``
-  on writes, which fio counts in its runtime) on one file of SIZE bytes; where fio is not
-  installed, ``odirect_loop``: ``os.pwritev``/``os.preadv`` in QD threads on one O_DIRECT
+- fio (``--ioengine=libaio --direct=1``, the engine's block size and queue depth of that
+  direction, ``--end_fsync=1`` on writes, which fio counts in its runtime) on one file of
+  SIZE bytes, and fio buffered (``--ioengine=psync --direct=0``, same block size, the page
+  cache evicted before reads, ``--end_fsync=1`` on writes); where fio is not installed,
+  ``odirect_loop``: ``os.pwritev``/``os.preadv`` in QD threads on one O_DIRECT
   descriptor, with aligned mmap buffers.
 - zarr_python / tensorstore: each reads the engine's array whole into one preallocated,
   pre-faulted host array, with the library's default settings. The write column writes a
@@ -21,7 +25,8 @@ Each run writes SIZE bytes and reads them back with every method, the page cache
 Runs are interleaved: in run 1 every method writes, then every method reads, then run 2
 follows; the order of the methods rotates from run to run, so drift in a noisy disk hits
 every method alike. Figures are GB/s (1e9 bytes per second); the medians of the runs
-are reported, with every run's value.
+are reported, with every run's value, the best peer per direction (fastest median of fio,
+fio buffered, zarr-python and tensorstore) and the engine's ratio to it.
 """
 
 from __future__ import annotations
@@ -57,12 +62,14 @@ PEERS = ("zarr_python", "tensorstore")
 class BenchConfig:
     path: str
     size: int = 2 << 30
-    block_size: int = 8 * MiB
-    queue_depth: int = 4
+    block_size: int | None = None  # None: the device profile's, per direction
+    queue_depth: int | None = None
     chunk_size: int = 64 * MiB
     runs: int = 3
     baseline: str = "auto"  # "auto" | "fio" | "odirect_loop"
     keep: bool = False
+    read_mode: str = "auto"  # "auto" (the profile's) | "direct" | "buffered"
+    write_mode: str = "auto"
 
 
 @dataclass
@@ -96,10 +103,15 @@ def add_arguments(p: argparse.ArgumentParser, *, size_default: str = "2GiB",
                         "made in it and removed afterwards")
     p.add_argument("--size", default=parse_bytes(size_default), type=byte_size,
                    help=f"bytes moved per run and method (default {size_default})")
-    p.add_argument("--block-size", default=8 * MiB, type=byte_size,
-                   help="bytes per I/O request, a multiple of 4096 (default 8MiB)")
-    p.add_argument("--queue-depth", default=4, type=positive_int, metavar="N",
-                   help="requests in flight; also the engine's I/O threads (default 4)")
+    p.add_argument("--block-size", default=None, type=byte_size,
+                   help="bytes per I/O request, a multiple of 4096 (default: the device "
+                        "profile's, per direction)")
+    p.add_argument("--queue-depth", default=None, type=positive_int, metavar="N",
+                   help="requests in flight (default: the device profile's, per direction)")
+    p.add_argument("--read-mode", choices=("auto", "direct", "buffered"), default="auto",
+                   help="engine reads: O_DIRECT, buffered, or the profile's choice (auto)")
+    p.add_argument("--write-mode", choices=("auto", "direct", "buffered"), default="auto",
+                   help="engine writes: O_DIRECT, buffered, or the profile's choice (auto)")
     p.add_argument("--chunk-size", default=64 * MiB, type=byte_size,
                    help="bytes per chunk file of the zarr array (default 64MiB)")
     p.add_argument("--runs", default=runs_default, type=positive_int,
@@ -116,9 +128,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "io", help="disk throughput: engine vs fio, zarr-python and tensorstore",
         description="Write SIZE bytes through the engine (fsync counted) and read them back "
-                    "with the page cache evicted; move the same bytes with fio at the same "
-                    "block size and queue depth; read the same zarr array with zarr-python "
-                    "and tensorstore. Prints median GB/s per method and the engine's ratios.")
+                    "with the page cache evicted, with the I/O settings the store would use "
+                    "(the device profile's unless flags say otherwise); move the same bytes "
+                    "with fio O_DIRECT at the same block size and queue depth and with fio "
+                    "buffered; read the same zarr array with zarr-python and tensorstore. "
+                    "Prints median GB/s per method, the best peer per direction and the "
+                    "engine's ratios.")
     add_arguments(p)
     p.set_defaults(run=run)
     return p
@@ -133,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace, **overrides) -> BenchConfig:
     values = dict(path=args.path, size=args.size, block_size=args.block_size,
                   queue_depth=args.queue_depth, chunk_size=args.chunk_size, runs=args.runs,
-                  baseline=getattr(args, "baseline", "auto"), keep=getattr(args, "keep", False))
+                  baseline=getattr(args, "baseline", "auto"), keep=getattr(args, "keep", False),
+                  read_mode=getattr(args, "read_mode", "auto"),
+                  write_mode=getattr(args, "write_mode", "auto"))
     values.update(overrides)
     return BenchConfig(**values)
 
@@ -155,12 +172,13 @@ def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
     ``progress``: optional callable taking one line of text per measurement.
     """
     say = progress or (lambda line: None)
-    block_size = check_config(cfg)
+    check_config(cfg)
     baseline = _choose_baseline(cfg.baseline)
-    # the engine array, the baseline file, the zarr-python and the tensorstore arrays
-    workdir = make_workdir(cfg.path, 4 * cfg.size)
+    # the engine array, the baseline files, the zarr-python and the tensorstore arrays
+    workdir = make_workdir(cfg.path, (5 if baseline == "fio" else 4) * cfg.size)
     try:
-        return _run_in(cfg, block_size, baseline, workdir, say)
+        settings, report = engine_settings(cfg)
+        return _run_in(cfg, settings, report, baseline, workdir, say)
     finally:
         if cfg.keep:
             say(f"kept {workdir}")
@@ -168,19 +186,44 @@ def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def check_config(cfg: BenchConfig) -> int:
-    """Validate the sizes; returns the block size in use (capped at SIZE)."""
+def check_config(cfg: BenchConfig) -> None:
+    """Validate the sizes and counts given (None: the profile's, checked later)."""
     for name, value in (("--size", cfg.size), ("--block-size", cfg.block_size),
                         ("--chunk-size", cfg.chunk_size)):
-        if value <= 0 or value % ALIGN:
+        if value is not None and (value <= 0 or value % ALIGN):
             raise BenchError(f"{name} must be a positive multiple of {ALIGN} bytes, got {value}")
-    block_size = min(cfg.block_size, cfg.size)
-    if cfg.size % block_size:
+    if cfg.block_size is not None and cfg.size % min(cfg.block_size, cfg.size):
         raise BenchError(f"--size ({cfg.size} bytes) must be a multiple of --block-size "
-                         f"({block_size} bytes)")
-    if cfg.runs < 1 or cfg.queue_depth < 1:
+                         f"({cfg.block_size} bytes)")
+    if cfg.runs < 1 or (cfg.queue_depth is not None and cfg.queue_depth < 1):
         raise BenchError("--runs and --queue-depth must be at least 1")
-    return block_size
+
+
+def engine_settings(cfg: BenchConfig) -> tuple[dict, dict]:
+    """The engine's settings per direction, chosen as the store chooses them (flags where
+    given, else the device profile of ``cfg.path``, else the defaults), blocks capped at
+    SIZE; and the report of where each came from."""
+    from ..store.config import StoreConfig
+    from ..store.io_choice import resolve
+
+    given = {"nvme_paths": [cfg.path], "read_mode": cfg.read_mode,
+             "write_mode": cfg.write_mode, "adaptive_io": False}
+    if cfg.queue_depth is not None:
+        given["queue_depth"] = cfg.queue_depth
+    if cfg.block_size is not None:
+        given["block_size"] = cfg.block_size
+    choice = resolve(StoreConfig(**given), os.path.abspath(cfg.path))
+    out = {}
+    for op in ("read", "write"):
+        st = choice[op]
+        block = min(st.block_bytes, cfg.size)
+        while cfg.size % block:  # a profile's block that does not divide SIZE: halve it
+            block //= 2
+        out[op] = st.with_(block_bytes=max(block, ALIGN))
+    report = choice["report"]
+    for op in ("read", "write"):
+        report[op]["block_bytes"] = out[op].block_bytes
+    return out, report
 
 
 def make_workdir(path: str, need_bytes: int) -> str:
@@ -215,16 +258,19 @@ def _choose_baseline(choice: str) -> str:
     return "odirect_loop"
 
 
-def _run_in(cfg: BenchConfig, block_size: int, baseline: str, workdir: str, say) -> dict:
+def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workdir: str,
+            say) -> dict:
     import torch
 
-    qd = cfg.queue_depth
+    rd, wr = settings["read"], settings["write"]
+    qd, block_size = rd.queue_depth, rd.block_bytes  # the peers' (fio, loop) read settings
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = _loadavg()
     direct_ok = probe_direct(workdir)
     results: dict[str, MethodResult] = {}
     notes: list[str] = []
-    io = AsyncFileIO(threads=qd, queue_depth=qd, block_size=block_size)
+    threads = max(rd.queue_depth, wr.queue_depth)
+    io = AsyncFileIO(threads=threads, read=rd, write=wr)
     engine = None
     try:
         # -- setup, untimed: engine array created and preallocated, buffers filled ----------
@@ -232,14 +278,20 @@ def _run_in(cfg: BenchConfig, block_size: int, baseline: str, workdir: str, say)
                                  torch.float32, io=io, chunk_bytes=cfg.chunk_size,
                                  preallocate=True,
                                  attributes={"written_by": "offload-engine bench io"})
-        engine = EngineBench(array, io, block_size)
+        engine = EngineBench(array, io, io.block_size)
         benches = [("engine", engine)]
         if baseline == "fio":
-            base = FioBench(os.path.join(workdir, "fio.dat"), cfg.size, block_size, qd, direct_ok)
+            base = FioBench(os.path.join(workdir, "fio.dat"), cfg.size,
+                            {"read": (rd.block_bytes, rd.queue_depth),
+                             "write": (wr.block_bytes, wr.queue_depth)}, direct_ok)
+            benches.append((baseline, base))
+            benches.append(("fio_buffered", FioBench(
+                os.path.join(workdir, "fio_buffered.dat"), cfg.size,
+                {"read": (rd.block_bytes, 1), "write": (wr.block_bytes, 1)}, False)))
         else:
             base = ODirectLoopBench(os.path.join(workdir, "odirect_loop.dat"), cfg.size,
                                     block_size, qd, direct_ok)
-        benches.append((baseline, base))
+            benches.append((baseline, base))
         host, why = _host_array(cfg.size)
         for name, cls in (("zarr_python", ZarrPythonBench), ("tensorstore", TensorstoreBench)):
             if host is None:
@@ -274,7 +326,10 @@ def _run_in(cfg: BenchConfig, block_size: int, baseline: str, workdir: str, say)
                              f"before a read (eviction incomplete)")
 
         engine_direct = bool(io.uses_direct(array.chunk_path(0)))
-        if not engine_direct:
+        if not io.uses_direct(array.chunk_path(0)) and direct_ok:
+            notes.append("the engine ran buffered in both directions (its settings' choice), "
+                         "page cache evicted before each read")
+        elif not engine_direct:
             notes.append("O_DIRECT was not in effect for the engine: buffered I/O, page "
                          "cache evicted before each read")
         if not direct_ok:
@@ -290,10 +345,14 @@ def _run_in(cfg: BenchConfig, block_size: int, baseline: str, workdir: str, say)
             "baseline": baseline,
             "fio_args": base.args if baseline == "fio" else None,
             "methods": {name: results[name].as_dict()
-                        for name in ("engine", baseline, *PEERS) if name in results},
+                        for name in ("engine", baseline, "fio_buffered", *PEERS)
+                        if name in results},
             "ratios": _ratios(results, baseline),
+            "best_peer": _best_peers(results, baseline),
+            "cpu_ratios": _cpu_ratios(results),
+            "io": report,
             "engine": {
-                "threads": qd,
+                "threads": threads,
                 "ring_buffers": engine.nslots,
                 "ring_bytes": engine.nslots * array.chunk_bytes,
                 "direct_pieces": engine.direct_pieces,
@@ -323,6 +382,35 @@ def _ratios(results: dict[str, MethodResult], baseline: str) -> dict:
         "engine_vs_zarr_python_write": ratio("zarr_python", "write"),
         "engine_vs_tensorstore_write": ratio("tensorstore", "write"),
     }
+
+
+def _best_peers(results: dict[str, MethodResult], baseline: str) -> dict:
+    """Per direction, the fastest peer (median GB/s) and the engine's ratio to it."""
+    out = {}
+    for column in ("read", "write"):
+        peers = [(name, _median(getattr(results[name], f"{column}_runs")))
+                 for name in (baseline, "fio_buffered", *PEERS) if name in results]
+        peers = [(n, g) for n, g in peers if g]
+        engine = _median(getattr(results["engine"], f"{column}_runs"))
+        if not peers or not engine:
+            out[column] = None
+            continue
+        name, gbps = max(peers, key=lambda t: t[1])
+        out[column] = {"method": name, "gbps": gbps, "engine_gbps": engine,
+                       "engine_vs_best": round(engine / gbps, 3)}
+    return out
+
+
+def _cpu_ratios(results: dict[str, MethodResult]) -> dict:
+    """Engine CPU seconds over each library peer's, per direction (below 1: engine cheaper)."""
+    out = {}
+    for name in PEERS:
+        for column in ("read", "write"):
+            a = _median(getattr(results["engine"], f"{column}_cpu"))
+            o = results.get(name)
+            b = _median(getattr(o, f"{column}_cpu")) if o is not None else None
+            out[f"engine_vs_{name}_{column}"] = round(a / b, 3) if a is not None and b else None
+    return out
 
 
 def _median(values: list[float]) -> float | None:
@@ -434,6 +522,17 @@ def format_table(result: dict) -> str:
     for key, value in result["ratios"].items():
         label = key.removeprefix("engine_vs_").rsplit("_", 1)
         lines.append(f"  {label[0]:<13} {label[1]:<6} {('%.2fx' % value) if value else '-'}")
+    for column in ("read", "write"):
+        best = result.get("best_peer", {}).get(column)
+        if best:
+            lines.append(f"  best peer {column}: {best['method']} {best['gbps']:.3f} GB/s; "
+                         f"engine {best['engine_vs_best']:.2f}x")
+    io = result.get("io") or {}
+    for column in ("read", "write"):
+        if column in io:
+            st = io[column]
+            lines.append(f"engine {column}: {st['mode']}, queue depth {st['queue_depth']}, "
+                         f"block {format_bytes(st['block_bytes'])} (from {st['source']})")
     if result["fio_args"]:
         lines.append("")
         for rw in ("write", "read"):

@@ -71,11 +71,13 @@ class EngineBench:
 
     def describe(self) -> str:
         a = self.array
+        rd, wr = self.io.settings("read"), self.io.settings("write")
         return (f"FlatArray float32, {a.nchunks} chunk file(s) of {format_bytes(a.chunk_bytes)}, "
                 f"preallocated once and overwritten in place; ring of {self.nslots} pooled "
-                f"buffers; AsyncFileIO threads = queue depth = {self.io.queue_depth}, pieces "
-                f"of {format_bytes(self.io.block_size)}; write time includes fdatasync of "
-                f"every chunk file")
+                f"buffers; AsyncFileIO reads {rd.mode} QD {rd.queue_depth} pieces of "
+                f"{format_bytes(rd.block_bytes)}, writes {wr.mode} QD {wr.queue_depth} pieces "
+                f"of {format_bytes(wr.block_bytes)} ({self.io.threads} threads); write time "
+                f"includes fdatasync of every chunk file")
 
     def expected_chunk(self, i: int) -> np.ndarray:
         """The bytes chunk ``i`` holds after a write run (edge chunk: its leading part)."""
@@ -136,21 +138,29 @@ class EngineBench:
 
 
 class FioBench:
-    """fio, one job, libaio at the engine's queue depth and block size, on one file."""
+    """fio, one job on one file: with ``direct``, libaio at the engine's queue depth and
+    block size of each direction; without, psync through the page cache (kernel readahead)
+    at the same block size. ``shape``: {"read": (block bytes, queue depth), "write": ...}."""
 
-    def __init__(self, path: str, size: int, block_size: int, qd: int, direct: bool):
+    def __init__(self, path: str, size: int, shape: dict, direct: bool):
         self.path = path
         self.size = size
         self.resident = 0
-        self.common = [f"--filename={path}", f"--size={size}", f"--bs={block_size}",
-                       f"--iodepth={qd}", f"--direct={int(direct)}", "--ioengine=libaio",
-                       "--output-format=json"]
-        self.args = {"write": ["fio", "--name=write", *self.common, "--rw=write", "--end_fsync=1"],
-                     "read": ["fio", "--name=read", *self.common, "--rw=read"]}
+        engine = "--ioengine=libaio" if direct else "--ioengine=psync"
+        self.common = [f"--filename={path}", f"--size={size}", f"--direct={int(direct)}",
+                       engine, "--output-format=json"]
+        self.args = {}
+        for rw in ("write", "read"):
+            bs, qd = shape[rw]
+            extra = ["--end_fsync=1"] if rw == "write" else []
+            self.args[rw] = ["fio", f"--name={rw}", *self.common, f"--bs={bs}",
+                             f"--iodepth={qd if direct else 1}", f"--rw={rw}", *extra]
 
     def describe(self) -> str:
-        return ("fio " + " ".join(a for a in self.common if not a.startswith("--filename"))
-                + "; write adds --end_fsync=1 (counted in fio's runtime); bw_bytes")
+        return ("fio " + " | ".join(" ".join(a for a in self.args[rw][2:]
+                                             if not a.startswith(("--filename", "--output")))
+                                    for rw in ("write", "read"))
+                + "; write's --end_fsync=1 is counted in fio's runtime; bw_bytes")
 
     def _run(self, rw: str) -> tuple[float, float]:
         proc = subprocess.run(self.args[rw], capture_output=True, text=True)

@@ -298,6 +298,8 @@ def inspect_one(path: str, generation: str | None, args: argparse.Namespace,
                         if t.states[s].dtype.is_float}
             result["health"] = health_summary(stats, top=args.top, floating=floating)
             result["bytes_read"] = nbytes
+            # how the bytes were read, and where that choice came from (device profile)
+            result["io"] = getattr(source, "io_settings", None)
             if args.plot:
                 from ..offline.plot import plot_layer_norms
                 plot_layer_norms(stats, [t.name for t, _ in selected], args.plot,

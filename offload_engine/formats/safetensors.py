@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 
 from ..dtypes import DType, from_safetensors
-from ..io import AsyncFileIO
+from ..io import AsyncFileIO, device_profile
 from ..io.align import as_byte_view
 from ..layout.metadata import parse_json_object
 from .errors import FormatError
@@ -204,7 +204,10 @@ class SafetensorsSource(TensorSource):
         metadata.update(index_meta)
         self._aliases = {k: v for k, v in metadata.items()
                          if v in self._where and k not in self._where}
-        self._io = AsyncFileIO(threads=4, queue_depth=4, direct=False)
+        # buffered: tensors start at any byte (no O_DIRECT alignment); readahead hints on
+        read = device_profile.reader_settings(path, 4, mode="buffered")
+        self.io_settings = {"read": read.as_dict()}
+        self._io = AsyncFileIO(threads=4, read=read, write=read, direct=False)
         fmt = (f"sharded: {len(files)} files + index" if index is not None
                else f"{len(files)} file" + ("s" if len(files) > 1 else ""))
         self.info = SourceInfo(kind="safetensors", path=index or path, format=fmt,

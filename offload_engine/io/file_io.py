@@ -7,11 +7,20 @@ thread, ``await`` from asyncio. Every piece loops until all of its bytes moved (
 at most 2,147,479,552 bytes per call); a read that meets end of file first is an error that
 names the file.
 
-O_DIRECT is used where the file system accepts it and the piece is aligned (address, offset
-and length multiples of 4096); a request that starts on a page has its last piece cut at its
-last page boundary, so only a tail shorter than a page is buffered. The first refusal
-(EINVAL) in a directory switches that directory to buffered I/O, logged once, with
-``posix_fadvise`` keeping the page cache from filling with state that is read once per step.
+Reads and writes each have their own settings (io/settings.py): mode, queue depth and block
+size. In "direct" mode O_DIRECT is used where the file system accepts it and the piece is
+aligned (address, offset and length multiples of 4096); a request that starts on a page has
+its last piece cut at its last page boundary, so only a tail shorter than a page is buffered.
+The first refusal (EINVAL) in a directory switches that directory to buffered I/O, logged
+once. "buffered" mode goes through the page cache on purpose (where the device reads faster
+with kernel readahead): a read piece is announced first (POSIX_FADV_WILLNEED on its range,
+the descriptor marked SEQUENTIAL) and dropped after (DONTNEED); a written piece is written
+out (sync_file_range) and dropped, so the page cache never grows with the state. Every
+buffered piece, including the sub-page tails of direct mode, follows these rules. Settings
+may change while running (``set_settings``, used by the adaptive controller): pieces already
+queued keep their block size and take the mode in force when they start; bytes are the same
+either way (an O_DIRECT read writes back dirty cached pages of its range first, an O_DIRECT
+write invalidates them, and buffered writes are written out before they complete anyway).
 """
 
 from __future__ import annotations
@@ -22,12 +31,14 @@ import errno
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..units import MiB
 from .align import ALIGN, address_of, as_byte_view, is_aligned
 from . import syscalls
 from .errors import FileIOError, TruncatedFileError
+from .settings import DIRECTIONS, DirectionSettings
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +103,10 @@ class IOStats:
     direct_pieces: int = 0
     buffered_pieces: int = 0
     syncs: int = 0
+    # seconds during which at least one read (write) request was in flight: bytes over busy
+    # seconds is the throughput achieved, whatever the gaps between requests
+    read_busy_s: float = 0.0
+    write_busy_s: float = 0.0
 
 
 @dataclass
@@ -124,37 +139,77 @@ class AsyncFileIO:
 
     Args:
         threads: worker threads issuing system calls.
-        queue_depth: most pieces in flight at once (the device sees min(threads, queue_depth)).
-        block_size: bytes per piece; a multiple of 4096.
+        queue_depth: most pieces in flight at once per direction (the device sees at most
+            ``threads``), unless ``read``/``write`` say otherwise.
+        block_size: bytes per piece; a multiple of 4096 (likewise).
         direct: True forces O_DIRECT (errors where refused), False never uses it,
-            None (default) uses it where the file system accepts it.
+            None (default) follows each direction's mode.
         max_open_files: descriptors kept open; the least recently used idle one is closed.
+        read, write: the settings of each direction (mode, queue depth, block size); default:
+            "direct" mode (buffered with ``direct=False``) with ``queue_depth`` and ``block_size``.
     """
 
     def __init__(self, threads: int = 8, queue_depth: int = 8, block_size: int = 8 * MiB,
-                 direct: bool | None = None, max_open_files: int = 256):
+                 direct: bool | None = None, max_open_files: int = 256,
+                 read: DirectionSettings | None = None, write: DirectionSettings | None = None):
         if threads < 1 or queue_depth < 1:
             raise ValueError("threads and queue_depth must be >= 1")
         if block_size <= 0 or block_size % ALIGN:
             raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size}")
         self.threads = threads
-        self.queue_depth = queue_depth
-        self.block_size = min(block_size, _LINUX_MAX_RW // ALIGN * ALIGN)
         self.direct = direct
         self.max_open_files = max_open_files
+        base = DirectionSettings("buffered" if direct is False else "direct", queue_depth,
+                                 block_size, "config")
+        self._settings = {"read": read or base, "write": write or base}
+        if direct is not None:  # an explicit direct= wins over the modes
+            mode = "direct" if direct else "buffered"
+            self._settings = {op: st.with_(mode=mode) for op, st in self._settings.items()}
         self.stats = IOStats()
         self._stats_lock = threading.Lock()
         self._files: collections.OrderedDict[str, _OpenFile] = collections.OrderedDict()
         self._files_lock = threading.Lock()
         self._direct_ok: dict[str, bool] = {}  # per directory
-        self._inflight = threading.BoundedSemaphore(queue_depth)
-        self._queue: collections.deque = collections.deque()
+        # one queue and one in-flight count per direction, each bounded by its queue depth
+        self._queues = {op: collections.deque() for op in DIRECTIONS}
+        self._inflight = {op: 0 for op in DIRECTIONS}
+        self._turn = 0
         self._queue_cv = threading.Condition()
+        self._outstanding = {op: 0 for op in DIRECTIONS}  # requests, for the busy seconds
+        self._busy_since = {op: 0.0 for op in DIRECTIONS}
         self._closed = False
         self._workers = [threading.Thread(target=self._work, name=f"oe-io-{i}", daemon=True)
                          for i in range(threads)]
         for w in self._workers:
             w.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Most pieces in flight in either direction."""
+        return max(st.queue_depth for st in self._settings.values())
+
+    @property
+    def block_size(self) -> int:
+        """Largest piece of either direction (bytes)."""
+        return max(self._piece_limit(op) for op in DIRECTIONS)
+
+    def settings(self, op: str) -> DirectionSettings:
+        """The settings in force for ``op`` ("read" or "write")."""
+        return self._settings[op]
+
+    def set_settings(self, op: str, settings: DirectionSettings) -> None:
+        """Change ``op``'s mode, queue depth or block size from now on (requests already
+        queued keep their pieces; each piece takes the mode in force when it starts)."""
+        if op not in DIRECTIONS:
+            raise ValueError(f"op must be one of {DIRECTIONS}, got {op!r}")
+        if self.direct is not None:
+            settings = settings.with_(mode="direct" if self.direct else "buffered")
+        with self._queue_cv:
+            self._settings = {**self._settings, op: settings}
+            self._queue_cv.notify_all()
+
+    def _piece_limit(self, op: str) -> int:
+        return min(self._settings[op].block_bytes, _LINUX_MAX_RW // ALIGN * ALIGN)
 
     # -- public API ---------------------------------------------------------------------
     def read(self, path: str | os.PathLike, offset: int, buffer, length: int | None = None) -> IOFuture:
@@ -174,7 +229,7 @@ class AsyncFileIO:
         path = os.fspath(path)
         fut = IOFuture()
         fut.set_running_or_notify_cancel()
-        self._enqueue(("sync", path, fut))
+        self._enqueue("write", ("sync", path, fut))
         return fut
 
     def preallocate(self, path: str | os.PathLike, nbytes: int) -> None:
@@ -212,8 +267,9 @@ class AsyncFileIO:
             self._close_entry(entry)
 
     def uses_direct(self, path: str | os.PathLike) -> bool | None:
-        """Whether O_DIRECT is used in ``path``'s directory (None: not yet probed)."""
-        if self.direct is False:
+        """Whether O_DIRECT is used in ``path``'s directory (None: not yet probed); False
+        where both directions are in buffered mode."""
+        if self.direct is False or all(st.mode == "buffered" for st in self._settings.values()):
             return False
         return self._direct_ok.get(os.path.dirname(os.path.abspath(os.fspath(path))))
 
@@ -272,51 +328,83 @@ class AsyncFileIO:
         if nbytes == 0 and not sync:
             fut.set_result(0)
             return fut
-        pieces = self._pieces(path, offset, view)
+        pieces = self._pieces(op, path, offset, view)
         req.pending = len(pieces)
         with self._stats_lock:
             if op == "read":
                 self.stats.reads += 1
             else:
                 self.stats.writes += 1
+            self._outstanding[op] += 1
+            if self._outstanding[op] == 1:
+                self._busy_since[op] = time.monotonic()
         for start, length in pieces:
-            self._enqueue(("piece", req, start, length))
+            self._enqueue(op, ("piece", req, start, length))
         return fut
 
-    def _pieces(self, path: str, offset: int, view: memoryview) -> list[tuple[int, int]]:
+    def _request_done(self, op: str) -> None:
+        with self._stats_lock:
+            self._outstanding[op] -= 1
+            if self._outstanding[op] == 0:
+                busy = time.monotonic() - self._busy_since[op]
+                if op == "read":
+                    self.stats.read_busy_s += busy
+                else:
+                    self.stats.write_busy_s += busy
+
+    def _pieces(self, op: str, path: str, offset: int, view: memoryview) -> list[tuple[int, int]]:
         """``(start, length)`` of each piece of a request: ``block_size`` bytes each, and,
         where the request starts on a page (offset and address) and O_DIRECT may be used,
         a last piece that does not end on a page is cut at its last page boundary, so only
         the tail (< 4096 bytes) goes through the page cache, not up to a whole block."""
         nbytes = len(view)
-        pieces = [(start, min(self.block_size, nbytes - start))
-                  for start in range(0, nbytes, self.block_size)] or [(0, 0)]
+        block = self._piece_limit(op)
+        pieces = [(start, min(block, nbytes - start))
+                  for start in range(0, nbytes, block)] or [(0, 0)]
         start, length = pieces[-1]
         whole = length // ALIGN * ALIGN
         if (0 < whole < length and is_aligned(offset) and is_aligned(address_of(view))
-                and self._direct_allowed(path)):
+                and self._direct_allowed(path, op)):
             pieces[-1:] = [(start, whole), (start + whole, length - whole)]
         return pieces
 
-    def _enqueue(self, item) -> None:
+    def _enqueue(self, op: str, item) -> None:
         with self._queue_cv:
-            self._queue.append(item)
+            self._queues[op].append(item)
             self._queue_cv.notify()
+
+    def _take(self):
+        """The next item of a direction with room under its queue depth, the directions
+        taken in turn; (op, item) or None. Called with ``_queue_cv`` held."""
+        for k in range(len(DIRECTIONS)):
+            op = DIRECTIONS[(self._turn + k) % len(DIRECTIONS)]
+            if self._queues[op] and self._inflight[op] < self._settings[op].queue_depth:
+                self._turn = (self._turn + k + 1) % len(DIRECTIONS)
+                self._inflight[op] += 1
+                return op, self._queues[op].popleft()
+        return None
 
     def _work(self) -> None:
         while True:
             with self._queue_cv:
-                while not self._queue and not self._closed:
+                while True:
+                    taken = self._take()
+                    if taken is not None:
+                        break
+                    if self._closed and not any(self._queues.values()):
+                        return
                     self._queue_cv.wait()
-                if not self._queue:
-                    return
-                item = self._queue.popleft()
-            with self._inflight:
+            op, item = taken
+            try:
                 if item[0] == "sync":
                     self._do_sync(item[1], item[2])
                 else:
                     self._do_piece(*item[1:])
-            item = None  # drop the buffer view now: an idle worker must not pin the pool
+            finally:
+                item = taken = None  # drop the buffer view now: an idle worker must not pin the pool
+                with self._queue_cv:
+                    self._inflight[op] -= 1
+                    self._queue_cv.notify_all()
 
     def _do_sync(self, path: str, fut: IOFuture) -> None:
         entry = None
@@ -354,6 +442,7 @@ class AsyncFileIO:
             except BaseException as e:
                 req.error = e
         req.keepalive = None
+        self._request_done(req.op)
         if req.error is not None:
             req.future.set_exception(req.error)
         else:
@@ -378,8 +467,7 @@ class AsyncFileIO:
         try:
             aligned = (is_aligned(offset) and is_aligned(length)
                        and is_aligned(address_of(piece)))
-            use_direct = aligned and self._direct_allowed(req.path)
-            if use_direct:
+            if aligned and self._direct_allowed(req.path, req.op):
                 try:
                     self._loop(req, entry, piece, offset, direct=True)
                     with self._stats_lock:
@@ -387,17 +475,28 @@ class AsyncFileIO:
                     return
                 except _DirectRefused:
                     self._mark_no_direct(req.path, "I/O")
-            self._loop(req, entry, piece, offset, direct=False)
+            self._buffered(req, entry, piece, offset)
             with self._stats_lock:
                 self.stats.buffered_pieces += 1
-            if not writable and self.uses_direct(req.path) is False:
-                # buffered fallback: drop what we just read from the page cache
-                try:
-                    os.posix_fadvise(self._fd(entry, False), offset, length, os.POSIX_FADV_DONTNEED)
-                except OSError:
-                    pass
         finally:
             self._release_file(entry)
+
+    def _buffered(self, req: _Request, entry: _OpenFile, piece: memoryview, offset: int) -> None:
+        """One piece through the page cache without leaving it there: a read is announced
+        (WILLNEED: the kernel reads the whole range ahead at once) and dropped after; a
+        write is written out (sync_file_range) and dropped, so dirty pages never pile up."""
+        fd = self._fd(entry, direct=False)
+        length = len(piece)
+        if req.op == "read":
+            syscalls.fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            self._loop(req, entry, piece, offset, direct=False)
+        else:
+            self._loop(req, entry, piece, offset, direct=False)
+            try:
+                syscalls.write_out(fd, offset, length, req.path)
+            except OSError as e:
+                raise FileIOError(e.errno, "write", req.path, offset, length) from e
+        syscalls.fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def _loop(self, req: _Request, entry: _OpenFile, piece: memoryview, offset: int, direct: bool) -> None:
         """Move every byte of ``piece``; short transfers continue where they stopped."""
@@ -431,8 +530,8 @@ class AsyncFileIO:
                 self.stats.bytes_written += total
 
     # -- descriptors ---------------------------------------------------------------------
-    def _direct_allowed(self, path: str) -> bool:
-        if self.direct is False:
+    def _direct_allowed(self, path: str, op: str) -> bool:
+        if self.direct is False or self._settings[op].mode != "direct":
             return False
         return self._direct_ok.get(os.path.dirname(os.path.abspath(path)), True)
 
@@ -496,6 +595,8 @@ class AsyncFileIO:
             if direct and e.errno == errno.EINVAL:
                 raise _DirectRefused() from e
             raise FileIOError(e.errno, "open", entry.path) from e
+        if not direct:  # read ahead further on descriptors that serve buffered pieces
+            syscalls.fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with self._files_lock:
             if getattr(entry, attr) is None:
                 setattr(entry, attr, fd)

@@ -13,6 +13,7 @@ they were doing (``FileIOError``: operation, file, offset, errno).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -117,3 +118,50 @@ def rmtree(path: str) -> None:
 def symlink(target: str, link: str) -> None:
     point("link", link)
     os.symlink(target, link)
+
+
+def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+    """``os.posix_fadvise``, a hint: a refusal (a file system without it) is ignored."""
+    try:
+        os.posix_fadvise(fd, offset, length, advice)
+    except (OSError, AttributeError):
+        pass
+
+
+# sync_file_range(2) flags (linux/fs.h): wait for earlier write-out, start it, wait for it
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+_sync_file_range = None
+
+
+def _libc_sync_file_range():
+    """libc's sync_file_range through ctypes (the os module has none), or False."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = (fn, ctypes)
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    return _sync_file_range
+
+
+def write_out(fd: int, offset: int, length: int, path: str) -> None:
+    """Write the dirty pages of ``[offset, offset + length)`` to the device and wait, so that
+    POSIX_FADV_DONTNEED can then drop them: ``sync_file_range`` (no metadata, no flush of
+    the device's cache: durability stays fdatasync's job); ``fdatasync`` where there is no
+    sync_file_range. Lengths in bytes."""
+    point("sync", path)
+    found = _libc_sync_file_range()
+    if found:
+        fn, ctypes = found
+        if fn(fd, offset, length, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), path)
+    os.fdatasync(fd)

@@ -23,7 +23,8 @@ def rank_store_config(cfg: StoreConfig, rank: int) -> StoreConfig:
     """``cfg`` with each NVMe path replaced by rank ``rank``'s folder in it."""
     if not cfg.nvme_paths:
         return cfg
-    return StoreConfig.load({**cfg.model_dump(), "nvme_paths": [
+    # exclude_unset: settings left to the device profile stay unset (not pinned as config)
+    return StoreConfig.load({**cfg.model_dump(exclude_unset=True), "nvme_paths": [
         os.path.join(p, rank_group(rank)) for p in cfg.nvme_paths]})
 
 

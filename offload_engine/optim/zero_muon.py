@@ -216,14 +216,14 @@ class ZeroMuon(torch.optim.Optimizer):
         needed = sum(array_pool_bytes(a.numel, a.dtype, cfg.bucket_bytes)
                      for a in self.layout.arrays.values())
         if store is None:
-            cfg = StoreConfig.load({**cfg.model_dump(), "cpu_budget": max(needed, PAGE)})
+            cfg = StoreConfig.load({**cfg.model_dump(exclude_unset=True), "cpu_budget": max(needed, PAGE)})
         if self.device.type == "cuda" and not isinstance(store, TieredStore) and cfg.gpu_budget == 0:
             # the step acquires buckets on the parameters' device: the store stages them there
             staging = working_buckets(self.layout) * cfg.bucket_bytes
             if store is not None:
                 raise ValueError(f"parameters are on {self.device}: give the store a gpu_budget "
                                  f"(at least {staging} bytes to stage the buckets a step holds)")
-            cfg = StoreConfig.load({**cfg.model_dump(), "gpu_budget": staging})
+            cfg = StoreConfig.load({**cfg.model_dump(exclude_unset=True), "gpu_budget": staging})
         self._own_store = not isinstance(store, TieredStore)
         self._pinned: list = []
         if self._own_store:

@@ -30,9 +30,21 @@ class StoreConfig(BaseModel):
     gpu_budget: Bytes = Field(0, description="GPU memory for state, bytes (CUDA only).")
     bucket_bytes: Bytes = Field(64 * MiB, description=(
         "Bytes per bucket (unit of residency and of one chunk file); multiple of 4096."))
-    io_threads: int = Field(8, ge=1, le=256)
-    queue_depth: int = Field(8, ge=1, le=1024)
-    block_size: Bytes = Field(8 * MiB, description="Bytes per I/O piece; multiple of 4096.")
+    io_threads: int = Field(8, ge=1, le=256, description=(
+        "I/O worker threads; when not set: the larger queue depth of the two directions."))
+    queue_depth: int = Field(8, ge=1, le=1024, description=(
+        "I/O pieces in flight per direction; when not set: the device profile's choice "
+        "(docs/store.md, I/O settings), else this default."))
+    block_size: Bytes = Field(8 * MiB, description=(
+        "Bytes per I/O piece; multiple of 4096; when not set: the device profile's choice."))
+    read_mode: Literal["auto", "direct", "buffered"] = Field("auto", description=(
+        "How buckets are read: O_DIRECT, buffered with readahead hints, or 'auto' (the "
+        "device profile's choice)."))
+    write_mode: Literal["auto", "direct", "buffered"] = Field("auto", description=(
+        "How buckets are written: O_DIRECT, buffered with write-out and DONTNEED, or 'auto'."))
+    adaptive_io: bool = Field(True, description=(
+        "Step mode, queue depth and block size within the profile's measured points when "
+        "the achieved GB/s of a direction drops (fields set in this config stay fixed)."))
     prefetch_depth: int = Field(2, ge=0, le=1024, description="Buckets read ahead of use.")
     alternate_order: bool = Field(True, description=(
         "Walk the backward order every other step (see set_schedule) so buckets still "

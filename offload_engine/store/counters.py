@@ -30,6 +30,7 @@ class StoreStats:
     elapsed_s: float = 0.0  # seconds since the last reset
     peak_pinned_bytes: int = 0
     peak_gpu_bytes: int = 0
+    io: dict = field(default_factory=dict)  # I/O settings in force (TieredStore.io_settings)
 
     @property
     def nvme_bytes(self) -> int:
@@ -52,7 +53,7 @@ class StoreStats:
             "evictions": self.evictions, "zero_fills": self.zero_fills,
             "io_wait_s": self.io_wait_s, "elapsed_s": self.elapsed_s,
             "achieved_gbps": self.achieved_gbps, "peak_pinned_bytes": self.peak_pinned_bytes,
-            "peak_gpu_bytes": self.peak_gpu_bytes,
+            "peak_gpu_bytes": self.peak_gpu_bytes, "io": self.io,
         }
 
 

@@ -35,6 +35,7 @@ from ..layout.striping import stripe_chunks
 from . import geometry
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket
 from .completions import CompletionQueue
+from . import io_choice
 from .config import StoreConfig
 from .earlier_run import EarlierRun, find_earlier_run, remove_earlier_arrays
 from .errors import for_bucket
@@ -101,8 +102,13 @@ class TieredStore:
                 raise
         try:
             self.pool = BufferPool(cfg.cpu_budget)
-            self.io = AsyncFileIO(threads=cfg.io_threads, queue_depth=cfg.queue_depth,
-                                  block_size=cfg.block_size)
+            # per direction: the config's fields where set, else the device profile's
+            choice = io_choice.resolve(cfg, self.root)
+            self.io = AsyncFileIO(threads=choice["threads"], read=choice["read"],
+                                  write=choice["write"])
+            self._io_report = choice["report"]
+            self._io_controllers = choice["controllers"]
+            self._io_seen = {"read": (0, 0.0), "write": (0, 0.0)}
             self.gpu = None
             if cfg.gpu_budget and torch.cuda.is_available():
                 from .gpu_tier import GpuTier
@@ -685,11 +691,43 @@ class TieredStore:
             # write-backs that failed (a full disk) are tried again once per step, so their
             # bytes reach the disk as soon as it has room, with no flush() needed
             self._retry_failed_writes(evict_after=False)
+            self._adapt_io()
             order = self._policy.begin_step()
             if order is None:
                 return None
             self._pump()
             return list(order)
+
+    def _adapt_io(self) -> None:
+        """Feed each direction's controller what moved since the last step (bytes, busy
+        seconds) and apply the settings it steps to (io/adaptive.py)."""
+        st = self.io.stats
+        for op, ctl in self._io_controllers.items():
+            moved = st.bytes_read if op == "read" else st.bytes_written
+            busy = st.read_busy_s if op == "read" else st.write_busy_s
+            last_moved, last_busy = self._io_seen[op]
+            self._io_seen[op] = (moved, busy)
+            new = ctl.feed(moved - last_moved, busy - last_busy)
+            if new is not None:
+                log.info("%s", io_choice.describe_change(op, *ctl.changes[-1]))
+                self.set_io_settings(op, new)
+
+    def set_io_settings(self, op: str, settings) -> None:
+        """Use ``settings`` (io.settings.DirectionSettings) for ``op`` ("read" or "write")
+        from now on; bytes already written read back the same in every mode."""
+        self.io.set_settings(op, settings)
+        self._io_report[op] = {**settings.as_dict(),
+                               "sources": {k: settings.source for k in
+                                           ("mode", "queue_depth", "block_bytes")}}
+
+    def io_settings(self) -> dict:
+        """The I/O settings in force per direction and where they came from: {"read":
+        {"mode", "queue_depth", "block_bytes", "source", "sources"}, "write": ..., "threads",
+        "profile": {"source", "file", "measured_at"}, "adaptive": directions watched,
+        "changes": how many times the adaptive controller stepped}."""
+        out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._io_report.items()}
+        out["changes"] = sum(len(c.changes) for c in self._io_controllers.values())
+        return out
 
     @property
     def step_is_backward(self) -> bool:
@@ -834,6 +872,7 @@ class TieredStore:
         with self._lock:
             snap = self._stats.snapshot(self.pool.peak_in_use,
                                         self.gpu.peak_in_use if self.gpu else 0)
+            snap.io = self.io_settings()
             if reset:
                 self._stats.reset()
                 self.pool.reset_peak()

@@ -26,7 +26,7 @@ import math
 import os
 from typing import Sequence
 
-from ...io import AsyncFileIO, BufferPool
+from ...io import AsyncFileIO, BufferPool, device_profile
 from ...io.align import as_byte_view
 from ...layout import FlatArray, MetadataError, NodeNotFoundError
 from ...layout.checksums import ChecksumError, mismatch
@@ -98,7 +98,11 @@ class OursSource(TensorSource):
                                    f"checksummed, the metadata (manifest, shard tables, array "
                                    f"zarr.json) is not: a damaged byte there may go unnoticed")
         self._metadata_unverified = verify_all_metadata and m.metadata_crcs is not None
-        self._io = AsyncFileIO(threads=io_threads, queue_depth=io_threads, block_size=8 * MiB)
+        # the device profile's read choice where one is cached (buffered with readahead on
+        # disks that read faster that way), else O_DIRECT at io_threads in flight
+        read = device_profile.reader_settings(self.group, io_threads, 8 * MiB)
+        self.io_settings = {"read": read.as_dict()}
+        self._io = AsyncFileIO(threads=max(io_threads, read.queue_depth), read=read)
         self._arrays: dict[str, ChunkedArray] = {}
         self._tables = ShardTables(m) if m.has_tensor_table else None
         self._pool: BufferPool | None = None

@@ -1,0 +1,336 @@
+"""The device profile: which I/O settings move bytes fastest on the disk under a directory.
+
+A short probe (``probe``) writes and reads a temporary file in the directory, through
+``AsyncFileIO`` itself, for direct and buffered mode at a few queue depths and block sizes
+(``CASES``; at most ``PROBE_BYTES`` per case, page cache evicted before each read, writes
+counted until their bytes are on the device), and keeps the fastest per direction. The
+result is cached per device and file system (``st_dev`` major:minor, file system type,
+mount point) in ``profile_dir()``: ``$OFFLOAD_ENGINE_PROFILE_DIR``, else
+``$XDG_CACHE_HOME/offload-engine``, else ``~/.cache/offload-engine``. ``choose`` is what
+the store, the consolidator, ``inspect --stats`` and ``bench io`` ask: the cached profile,
+else a probe (saved when the cache is writable, kept for this process when not), else the
+built-in default (io/settings.py) when probing is turned off (``OFFLOAD_ENGINE_IO_PROBE=0``:
+the test suite does this so that no test probes by accident) or fails.
+
+File systems without O_DIRECT (tmpfs) get buffered mode without measuring direct.
+``offload-engine bench disk --refresh-profile --path DIR`` probes again and replaces the
+cached entry (docs/store.md, "I/O settings").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+
+from ..units import MiB
+from . import syscalls
+from .settings import DEFAULT, DIRECTIONS, DirectionSettings
+
+log = logging.getLogger(__name__)
+
+FORMAT = "offload-engine-io-profile"
+FORMAT_VERSION = 1
+PROFILE_DIR_ENV = "OFFLOAD_ENGINE_PROFILE_DIR"
+PROBE_ENV = "OFFLOAD_ENGINE_IO_PROBE"  # "0": never probe (cached profile or built-in default)
+PROBE_BYTES = 256 * MiB  # bytes moved per case and direction
+REQUEST_BYTES = 32 * MiB  # bytes per request, all submitted at once (as the store's read-ahead)
+# (mode, queue depth, block size): the points `bench disk` found to matter on our disks
+CASES = tuple((mode, qd, bs) for mode in ("direct", "buffered")
+              for qd, bs in ((4, 8 * MiB), (8, 8 * MiB), (16, 1 * MiB), (32, 1 * MiB)))
+# within this fraction of the fastest, the earlier case of CASES wins (direct before
+# buffered: less CPU, no page cache; fewer requests in flight first): noise must not flip it
+TIE = 0.05
+MEMORY_FS = ("tmpfs", "ramfs")  # no device behind them: O_DIRECT there would only add a copy
+
+probes_run = 0  # probes run by this process (tests check that a cached profile is reused)
+_memo: dict[str, dict] = {}  # profiles of this process, by key (for an unwritable cache)
+_memo_lock = threading.Lock()
+
+
+# -- where: device and file system ---------------------------------------------------------
+def mount_of(path: str) -> tuple[str, str]:
+    """(mount point, file system type) of the mount holding ``path`` (/proc/mounts);
+    ("?", "unknown") where that cannot be read."""
+    try:
+        text = syscalls.read_all("/proc/mounts").decode(errors="replace")
+    except OSError:
+        return "?", "unknown"
+    real = os.path.realpath(path)
+    best = ("?", "unknown")
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if real == mnt or real.startswith(mnt.rstrip("/") + "/"):
+            if best[0] == "?" or len(mnt) >= len(best[0]):
+                best = (mnt, parts[2])
+    return best
+
+
+def profile_key(path: str) -> dict:
+    """What a profile is cached by: the device number, the file system type and its mount."""
+    st = os.stat(path)
+    mount, fstype = mount_of(path)
+    return {"dev": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", "fs_type": fstype,
+            "mount": mount}
+
+
+def _key_name(key: dict) -> str:
+    mount = re.sub(r"[^A-Za-z0-9_.-]+", "_", key["mount"]).strip("_") or "root"
+    return f"io-{key['dev'].replace(':', '-')}-{key['fs_type']}-{mount}"
+
+
+def profile_dir() -> str:
+    """Where profiles are cached (see the module's docstring)."""
+    if os.environ.get(PROFILE_DIR_ENV):
+        return os.environ[PROFILE_DIR_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "offload-engine")
+
+
+def profile_file(path: str) -> str:
+    """The cache file of the profile for ``path``'s device and file system."""
+    return os.path.join(profile_dir(), _key_name(profile_key(path)) + ".json")
+
+
+# -- the cache ---------------------------------------------------------------------------
+def load(path: str) -> dict | None:
+    """The cached profile for ``path``, or None (none, unreadable, or another format:
+    ignored, never trusted)."""
+    try:
+        file = profile_file(path)
+        doc = json.loads(syscalls.read_all(file, limit=1 << 20))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or \
+            doc.get("format_version") != FORMAT_VERSION:
+        return None
+    try:
+        for op in DIRECTIONS:
+            settings_of(doc, op)
+    except (KeyError, TypeError, ValueError):
+        return None
+    doc["file"] = file
+    return doc
+
+
+def save(path: str, profile: dict) -> str:
+    """Write ``profile`` as the cache entry of ``path``'s device (atomically); its file."""
+    target = profile_file(path)
+    syscalls.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.{uuid.uuid4().hex}.tmp"
+    fd = syscalls.open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | syscalls.NOFOLLOW
+                          | syscalls.CLOEXEC, 0o644)
+    try:
+        try:
+            syscalls.write_all(fd, (json.dumps(profile, indent=2) + "\n").encode(), tmp)
+        finally:
+            os.close(fd)
+        syscalls.replace(tmp, target)
+    except BaseException:
+        try:
+            syscalls.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return target
+
+
+def settings_of(profile: dict, op: str, source: str = "profile") -> DirectionSettings:
+    """The profile's choice for ``op`` ("read" or "write")."""
+    d = profile[op]
+    return DirectionSettings(str(d["mode"]), int(d["queue_depth"]), int(d["block_bytes"]), source)
+
+
+# -- the choice -----------------------------------------------------------------------------
+def choose(path: str, *, refresh: bool = False, probe_allowed: bool | None = None) -> dict:
+    """The profile to use for files under ``path`` (a directory that exists).
+
+    The cached one; else (or with ``refresh``) a new probe, saved to the cache (when the
+    cache cannot be written, kept for this process only); else, when probing is turned
+    off (``probe_allowed`` False, default: ``OFFLOAD_ENGINE_IO_PROBE`` is not "0") or
+    fails, the built-in default. The result has "read" and "write" settings and "source":
+    "cache", "probe" or "default".
+    """
+    if probe_allowed is None:
+        probe_allowed = os.environ.get(PROBE_ENV, "1") != "0"
+    try:
+        key = _key_name(profile_key(path))
+    except OSError:
+        return default_profile()
+    if not refresh:
+        with _memo_lock:
+            if key in _memo:
+                return _memo[key]
+        cached = load(path)
+        if cached is not None:
+            cached["source"] = "cache"
+            return cached
+    if not probe_allowed:
+        return default_profile()
+    lock_fd = _lock(key)  # ranks of one machine starting together: one probes, the rest read
+    try:
+        if not refresh and lock_fd is not None:
+            cached = load(path)
+            if cached is not None:
+                cached["source"] = "cache"
+                return cached
+        try:
+            result = probe(path)
+        except Exception as e:  # a disk that cannot be measured is used with the defaults
+            log.warning("I/O profile probe in %s failed (%s); using the built-in defaults",
+                        path, e)
+            return default_profile()
+        try:
+            result["file"] = save(path, result)
+        except OSError as e:
+            log.warning("I/O profile of %s not cached (%s): %s", path, profile_dir(), e)
+        result["source"] = "probe"
+        with _memo_lock:
+            _memo[key] = result
+        return result
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)  # releases the flock
+
+
+def _lock(key: str) -> int | None:
+    """An exclusive flock on the cache's lock file for ``key`` (waits for another process's
+    probe); None where the cache directory cannot be written (then no one waits)."""
+    import fcntl
+
+    try:
+        syscalls.makedirs(profile_dir(), exist_ok=True)
+        fd = syscalls.open_fd(os.path.join(profile_dir(), f".{key}.lock"),
+                              os.O_RDWR | os.O_CREAT | syscalls.NOFOLLOW | syscalls.CLOEXEC, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def reader_settings(path: str, queue_depth: int, block_bytes: int = DEFAULT.block_bytes,
+                    mode: str | None = None) -> DirectionSettings:
+    """Read settings for an offline reader of files under ``path`` (consolidate, inspect):
+    the cached profile's read choice (source "profile"), never a probe (the files may be on
+    read-only media, and a reader should not write next to them); without one, ``mode``
+    (default "direct") at ``queue_depth`` and ``block_bytes`` (source "default")."""
+    if mode is None:
+        try:
+            cached = load(path if os.path.isdir(path) else os.path.dirname(path) or ".")
+        except OSError:
+            cached = None
+        if cached is not None:
+            return settings_of(cached, "read", "profile")
+    return DirectionSettings(mode or "direct", queue_depth, block_bytes, "default")
+
+
+def default_profile() -> dict:
+    """The built-in settings, in a profile's shape (source "default")."""
+    return {"source": "default", **{op: {k: v for k, v in DEFAULT.as_dict().items()
+                                         if k != "source"} for op in DIRECTIONS}}
+
+
+def forget_memo() -> None:
+    """Drop the profiles this process probed without caching (tests)."""
+    with _memo_lock:
+        _memo.clear()
+
+
+# -- the probe ----------------------------------------------------------------------------
+def probe(path: str, *, size: int | None = None, cases=None, repeats: int = 1) -> dict:
+    """Measure ``cases`` (default ``CASES``) on a temporary file in directory ``path``
+    (removed after); the fastest case per direction, every point, and how long it took.
+    ``size``: bytes per case and direction (default ``PROBE_BYTES``, rounded down to whole
+    requests). Figures are GB/s (1e9 bytes/s). Memory file systems (tmpfs, ramfs) and those
+    that refuse O_DIRECT are measured, and chosen, buffered only."""
+    global probes_run
+    from .buffer_pool import BufferPool
+    from .direct_probe import probe_direct
+    from .file_io import AsyncFileIO
+    from .page_cache import evict
+
+    t0 = time.monotonic()
+    size = size or PROBE_BYTES
+    cases = list(cases or CASES)
+    request = min(REQUEST_BYTES, size)
+    size = max(request, size // request * request)
+    direct_ok = probe_direct(path, strict=False) and mount_of(path)[1] not in MEMORY_FS
+    if not direct_ok:
+        cases = [c for c in cases if c[0] == "buffered"] or [("buffered", DEFAULT.queue_depth,
+                                                              DEFAULT.block_bytes)]
+    free = shutil.disk_usage(path).free
+    if free < size + 64 * MiB:
+        raise OSError(f"{path}: {free} bytes free, the probe needs {size + 64 * MiB}")
+    workdir = tempfile.mkdtemp(prefix=".oe-io-probe-", dir=path)
+    file = os.path.join(workdir, "data")
+    points = []
+    pool = BufferPool(request, pin=False)
+    try:
+        buf = pool.acquire(request)
+        buf.bytes.view(-1)[:] = 0x5A  # not zeros: no file system shortcut
+        with AsyncFileIO(threads=1, queue_depth=1, block_size=1 * MiB) as io0:
+            io0.preallocate(file, size)
+        for mode, qd, bs in cases:
+            st = DirectionSettings(mode, qd, min(bs, request), "probe")
+            w, r = [], []
+            with AsyncFileIO(threads=qd, read=st, write=st) as io:
+                for _ in range(repeats):
+                    w.append(_timed(io, file, buf, size, request, write=True))
+                    evict([file])
+                    r.append(_timed(io, file, buf, size, request, write=False))
+            points.append({"mode": mode, "queue_depth": qd, "block_bytes": st.block_bytes,
+                           "write_gbps": round(size / statistics.median(w) / 1e9, 4),
+                           "read_gbps": round(size / statistics.median(r) / 1e9, 4)})
+        buf.release()
+    finally:
+        pool.close()
+        try:
+            syscalls.rmtree(workdir)
+        except OSError:
+            pass
+    probes_run += 1
+    out = {"format": FORMAT, "format_version": FORMAT_VERSION, "key": profile_key(path),
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "bytes_per_case": size,
+           "request_bytes": request, "direct_supported": bool(direct_ok),
+           "probe_s": None, "points": points}
+    for op in DIRECTIONS:
+        out[op] = pick(points, op)
+    out["probe_s"] = round(time.monotonic() - t0, 2)
+    return out
+
+
+def pick(points: list[dict], op: str) -> dict:
+    """The fastest point for ``op``; among points within ``TIE`` of it, the first listed."""
+    best = max(p[f"{op}_gbps"] for p in points)
+    for p in points:
+        if p[f"{op}_gbps"] >= (1 - TIE) * best:
+            return {"mode": p["mode"], "queue_depth": p["queue_depth"],
+                    "block_bytes": p["block_bytes"], "gbps": p[f"{op}_gbps"]}
+    raise AssertionError("unreachable")
+
+
+def _timed(io, file: str, buf, size: int, request: int, write: bool) -> float:
+    """Seconds to move ``size`` bytes in ``request``-byte requests all submitted at once;
+    a write run ends when its bytes are on the device (fdatasync)."""
+    t0 = time.perf_counter()
+    futures = [io.write(file, off, buf, length=request) if write
+               else io.read(file, off, buf, length=request) for off in range(0, size, request)]
+    for f in futures:
+        f.result()
+    if write:
+        io.sync(file).result()
+    return time.perf_counter() - t0

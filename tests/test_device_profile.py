@@ -1,0 +1,248 @@
+"""The device profile: probed once per device and file system, cached, reused, refreshed on
+request; a missing or unwritable cache degrades to a one-off probe or the defaults; the store
+uses the profile's choice unless its config says otherwise, and says which it uses."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from offload_engine.io import device_profile as dp
+from offload_engine.io.settings import DEFAULT, DirectionSettings
+from offload_engine.store import TieredStore
+
+KiB = 1024
+TINY_CASES = (("direct", 1, 64 * KiB), ("buffered", 2, 64 * KiB))
+
+
+@pytest.fixture
+def small_probe(monkeypatch, tmp_path):
+    """Probes of 1 MiB per case in a profile directory of this test's own."""
+    monkeypatch.setattr(dp, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(dp, "REQUEST_BYTES", 256 * KiB)
+    monkeypatch.setattr(dp, "CASES", TINY_CASES)
+    monkeypatch.setenv(dp.PROFILE_DIR_ENV, str(tmp_path / "profiles"))
+    monkeypatch.setenv(dp.PROBE_ENV, "1")
+    dp.forget_memo()
+    yield tmp_path / "profiles"
+    dp.forget_memo()
+
+
+def test_a_probe_is_cached_and_reused_and_refreshed_on_request(small_probe, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    before = dp.probes_run
+    first = dp.choose(str(data))
+    assert first["source"] == "probe" and dp.probes_run == before + 1
+    file = dp.profile_file(str(data))
+    assert os.path.dirname(file) == str(small_probe) and os.path.isfile(file)
+    assert os.listdir(data) == []  # the probe's temporary file is gone
+    for op in ("read", "write"):
+        assert first[op]["mode"] in ("direct", "buffered")
+        assert dp.settings_of(first, op).queue_depth in (1, 2)
+    key = json.loads(open(file).read())["key"]
+    assert set(key) == {"dev", "fs_type", "mount"}
+
+    dp.forget_memo()  # a new process: only the cache file is left
+    second = dp.choose(str(data))
+    assert second["source"] == "cache" and dp.probes_run == before + 1
+    assert second["read"] == first["read"] and second["write"] == first["write"]
+
+    third = dp.choose(str(data), refresh=True)
+    assert third["source"] == "probe" and dp.probes_run == before + 2
+
+
+def test_an_unwritable_cache_means_one_probe_per_process_not_an_error(small_probe, tmp_path,
+                                                                     monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")  # a file where the cache directory should be: makedirs fails
+    monkeypatch.setenv(dp.PROFILE_DIR_ENV, str(blocker / "profiles"))
+    data = tmp_path / "data"
+    data.mkdir()
+    before = dp.probes_run
+    assert dp.choose(str(data))["source"] == "probe"
+    assert dp.choose(str(data))["source"] == "probe"  # the one kept for this process
+    assert dp.probes_run == before + 1
+
+
+def test_without_probing_and_without_a_cache_the_defaults_are_used(small_probe, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv(dp.PROBE_ENV, "0")
+    before = dp.probes_run
+    got = dp.choose(str(tmp_path))
+    assert got["source"] == "default" and dp.probes_run == before
+    assert dp.settings_of(got, "read", "default") == DEFAULT
+
+
+def test_a_corrupt_or_foreign_cache_file_is_ignored(small_probe, tmp_path, monkeypatch):
+    monkeypatch.setenv(dp.PROBE_ENV, "0")
+    file = dp.profile_file(str(tmp_path))
+    os.makedirs(os.path.dirname(file))
+    for text in ("{not json", json.dumps({"format": "other"}),
+                 json.dumps({"format": dp.FORMAT, "format_version": dp.FORMAT_VERSION,
+                             "read": {"mode": "sideways", "queue_depth": 1, "block_bytes": 4096},
+                             "write": {"mode": "direct", "queue_depth": 1, "block_bytes": 4096}})):
+        with open(file, "w") as f:
+            f.write(text)
+        assert dp.choose(str(tmp_path))["source"] == "default"
+
+
+def test_memory_file_systems_and_refused_o_direct_are_profiled_buffered(small_probe, tmp_path,
+                                                                        monkeypatch):
+    from offload_engine.io import direct_probe
+
+    monkeypatch.setattr(direct_probe, "probe_direct", lambda path, strict=True: False)
+    got = dp.probe(str(tmp_path))
+    assert got["read"]["mode"] == got["write"]["mode"] == "buffered"
+    assert {p["mode"] for p in got["points"]} == {"buffered"}
+    assert got["direct_supported"] is False
+
+
+@pytest.mark.skipif(dp.mount_of("/dev/shm")[1] != "tmpfs", reason="no tmpfs at /dev/shm")
+def test_tmpfs_is_profiled_buffered(small_probe, tmp_path):
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        got = dp.probe(d)
+    assert got["read"]["mode"] == got["write"]["mode"] == "buffered"
+
+
+def test_pick_prefers_the_earlier_case_within_the_tie_margin():
+    points = [{"mode": "direct", "queue_depth": 4, "block_bytes": 4096, "read_gbps": 0.97,
+               "write_gbps": 0.5},
+              {"mode": "buffered", "queue_depth": 8, "block_bytes": 4096, "read_gbps": 1.0,
+               "write_gbps": 1.0}]
+    assert dp.pick(points, "read")["mode"] == "direct"  # within 5 %: noise, not a winner
+    assert dp.pick(points, "write")["mode"] == "buffered"
+
+
+# -- the store and the profile -------------------------------------------------------------------
+def _cached_profile(directory: str) -> None:
+    """A profile in the cache for ``directory``: buffered reads QD 4, direct writes QD 2."""
+    dp.save(directory, {
+        "format": dp.FORMAT, "format_version": dp.FORMAT_VERSION, "key": dp.profile_key(directory),
+        "read": {"mode": "buffered", "queue_depth": 4, "block_bytes": 128 * KiB, "gbps": 1.0},
+        "write": {"mode": "direct", "queue_depth": 2, "block_bytes": 256 * KiB, "gbps": 1.0},
+        "points": []})
+
+
+def _store(path, **over):
+    cfg = dict(nvme_paths=[str(path)], cpu_budget=1 << 20, bucket_bytes=256 * KiB, **over)
+    return TieredStore(cfg)
+
+
+def test_the_store_uses_the_profile_and_says_so(small_probe, tmp_path, monkeypatch):
+    monkeypatch.setenv(dp.PROBE_ENV, "0")
+    _cached_profile(str(tmp_path))
+    with _store(tmp_path) as s:
+        io = s.io_settings()
+        assert io["read"]["mode"] == "buffered" and io["read"]["queue_depth"] == 4
+        assert io["read"]["block_bytes"] == 128 * KiB and io["read"]["source"] == "profile"
+        assert io["write"]["mode"] == "direct" and io["write"]["queue_depth"] == 2
+        assert io["profile"]["source"] == "cache"
+        assert s.io.settings("read").mode == "buffered"  # what the I/O layer really uses
+        s.register("a", torch.float32, 200_000)
+        h = s.acquire("a", 0)
+        h.tensor.fill_(3.0)
+        s.release(h, dirty=True)
+        s.flush()
+        assert s.stats().as_dict()["io"]["read"]["mode"] == "buffered"
+    with _store(tmp_path) as s:  # reopened: the bytes, whatever the modes
+        s.register("a", torch.float32, 200_000)
+        h = s.acquire("a", 0)
+        assert float(h.tensor[0]) == 3.0
+        s.release(h)
+
+
+def test_explicit_config_wins_over_the_profile(small_probe, tmp_path, monkeypatch):
+    monkeypatch.setenv(dp.PROBE_ENV, "0")
+    _cached_profile(str(tmp_path))
+    with _store(tmp_path, read_mode="direct", queue_depth=3) as s:
+        io = s.io_settings()
+        assert io["read"]["mode"] == "direct" and io["read"]["queue_depth"] == 3
+        assert io["read"]["source"] == "config"
+        assert io["read"]["sources"] == {"mode": "config", "queue_depth": "config",
+                                         "block_bytes": "profile"}
+        assert io["write"]["mode"] == "direct" and io["write"]["queue_depth"] == 3
+        assert io["write"]["sources"]["mode"] == "profile"
+
+
+def test_without_a_profile_the_store_says_default(tmp_path):
+    with _store(tmp_path) as s:
+        io = s.io_settings()
+        assert io["read"]["source"] == "default" and io["profile"]["source"] == "default"
+        assert s.io.settings("read") == DirectionSettings(source="default")
+
+
+def test_bench_disk_refresh_profile_probes_again_and_caches(small_probe, tmp_path, capsys):
+    from offload_engine.cli.main import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    before = dp.probes_run
+    assert main(["bench", "disk", "--path", str(data), "--refresh-profile", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source"] == "probe" and doc["file"] == dp.profile_file(str(data))
+    assert doc["probe_s"] >= 0 and doc["read"]["mode"] in ("direct", "buffered")
+    assert main(["bench", "disk", "--path", str(data), "--refresh-profile"]) == 0
+    out = capsys.readouterr().out
+    assert "read:" in out and "write:" in out and "saved to" in out
+    assert dp.probes_run == before + 2  # refreshed each time, never served from the cache
+    assert main(["bench", "disk", "--path", str(tmp_path / "nope"), "--refresh-profile"]) == 2
+    assert "not an existing directory" in capsys.readouterr().err
+
+
+def _choose_source(path, queue, env):
+    """In a fresh (spawned) process: the small probe settings, then choose."""
+    os.environ.update(env)
+    dp.PROBE_BYTES, dp.REQUEST_BYTES, dp.CASES = 1 << 20, 256 * KiB, TINY_CASES
+    queue.put("ready")
+    queue.put(dp.choose(path)["source"])
+
+
+def test_a_process_that_finds_a_probe_under_way_waits_and_reads_its_result(small_probe,
+                                                                           tmp_path):
+    """Ranks of one machine open their stores at the same moment: one probes (under the
+    cache's lock), the others wait for it and read its result instead of probing too."""
+    import multiprocessing as mp
+    import time
+
+    key = dp._key_name(dp.profile_key(str(tmp_path)))
+    held = dp._lock(key)  # this process is "probing"
+    assert held is not None
+    ctx = mp.get_context("spawn")  # fork would copy locks held by this process's threads
+    q = ctx.Queue()
+    env = {k: os.environ[k] for k in (dp.PROFILE_DIR_ENV, dp.PROBE_ENV)}
+    child = ctx.Process(target=_choose_source, args=(str(tmp_path), q, env))
+    child.start()
+    try:
+        assert q.get(timeout=120) == "ready"
+        time.sleep(2)  # the child is now in choose(): without the lock it would probe
+        _cached_profile(str(tmp_path))
+    finally:
+        os.close(held)
+    assert q.get(timeout=120) == "cache"
+    child.join(60)
+    assert child.exitcode == 0
+
+
+def test_inspect_stats_reads_with_the_profiles_choice_and_says_so(small_probe, tmp_path,
+                                                                   monkeypatch, capsys):
+    from offload_engine.cli.main import main
+
+    monkeypatch.setenv(dp.PROBE_ENV, "0")
+    with _store(tmp_path, read_mode="direct", write_mode="direct") as s:
+        s.register("a", torch.float32, 100_000)
+        h = s.acquire("a", 0)
+        h.tensor.fill_(2.0)
+        s.release(h, dirty=True)
+    assert main(["inspect", str(tmp_path), "--stats", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["io"]["read"]["source"] == "default" and doc["io"]["read"]["mode"] == "direct"
+    _cached_profile(str(tmp_path))  # buffered reads, QD 4
+    assert main(["inspect", str(tmp_path), "--stats", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["io"]["read"] == {"mode": "buffered", "queue_depth": 4,
+                                 "block_bytes": 128 * KiB, "source": "profile"}
+    assert doc["stats"] and doc["bytes_read"] > 0
