@@ -1,8 +1,9 @@
 """Load a checkpoint generation into a model and its ZeroMuon optimizer, at the world size
 it was saved with or another one (all ranks call it).
 
-Each rank computes its own row block of every parameter from the *current* sharding and
-reads those rows through the one reader of our format (``formats.ours.OursSource``): it
+Each rank computes the part it holds of every parameter from the *current* sharding (a
+block of rows under FSDP2, a box on a 2-D mesh or under tensor parallel, all of a plain
+tensor) and reads it through the one reader of our format (``formats.ours.OursSource``): it
 parses the shard tables of the saved ranks that hold them (at the same world size, its own
 and rank 0's) and verifies the crc32c of every chunk it reads. Parameters are written into
 the model in place (straight into the parameter's memory where it is a contiguous CPU
@@ -18,7 +19,10 @@ from .. import dtypes
 from ..formats.errors import CheckpointError
 from ..formats.ours import OursSource
 from ..formats.source import ReadRequest
-from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
+from ..layout.box_runs import box_runs
+from ..optim.boxes import Box, full_box
+from ..optim.state_access import (held_box, local_param, mark_restored, param_state_arrays,
+                                  write_param_state)
 from .buffers import persistent_buffers
 from .pending import finish_previous
 from .save import _collective, param_name
@@ -42,7 +46,7 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
                                     io_threads=4, verify_all_metadata=rank == 0) as src:
         gen = src.group
         tensors = {t.name: t for t in src.tensors()}
-        wanted = []  # (info, tensor meta, first element of this rank's rows)
+        wanted = []  # (info, tensor meta, the part of it this rank holds)
         for info in opt.infos:
             pname = param_name(info)
             meta = tensors.get(pname)
@@ -53,13 +57,12 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
                 raise CheckpointError(
                     f"{gen}: parameter {pname} is {meta.dtype} {list(meta.shape)} in the "
                     f"checkpoint but {mine} {list(info.shape)} in the model")
-            r = rank if info.distributed else 0
-            wanted.append((info, meta, info.row_offset(r) * info.row_numel))
+            wanted.append((info, meta, held_box(info, rank)))
         buffers = _buffers_to_restore(src, model)
 
-        for info, meta, start in wanted:
+        for info, meta, box in wanted:
             pname = param_name(info)
-            _read_into(src, pname, "param", start, local_param(info).view(-1))
+            _read_into(src, pname, "param", meta.shape, box, local_param(info).view(-1))
             saved = [k for k in meta.states if k != "param"]
             if not saved:
                 continue
@@ -68,11 +71,12 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
                     raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
                 n = local_param(info).numel()
                 value = torch.empty(n, dtype=meta.states[key].dtype.torch)
-                src.read([ReadRequest(pname, start, value, key)])
+                src.read(_requests(pname, key, meta.shape, box, value))
                 write_param_state(opt, info, key, value)
             mark_restored(opt, info, meta.extra.get("adam_step"))
         for name, buf in buffers.items():  # whole on every rank, from rank 0's copy
-            _read_into(src, name, "param", 0, buf.view(-1) if buf.is_contiguous() else buf)
+            _read_into(src, name, "param", buf.shape, full_box(buf.shape),
+                       buf.view(-1) if buf.is_contiguous() else buf)
         for saved, group in zip(src.manifest.extra.get("param_groups", []), opt.param_groups):
             for k, v in saved.items():
                 if k in group and k != "use_muon":
@@ -80,14 +84,23 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module, optimizer, tag: str |
         return int(src.manifest.step)
 
 
-def _read_into(src: OursSource, name: str, state: str, start: int, target: torch.Tensor) -> None:
-    """Elements ``[start, start + target.numel())`` of ``name``'s ``state`` into
-    ``target``: directly where it is a contiguous CPU tensor, else through a CPU copy."""
+def _requests(name: str, state: str, shape, box: Box, out: torch.Tensor) -> list[ReadRequest]:
+    """Reads of ``box`` of ``name``'s ``state`` (global ``shape``) into the flat CPU tensor
+    ``out`` (row-major through the box, as the rank's local tensor holds it): one request
+    per run of the box in the flattened tensor (one for a block of whole rows)."""
+    return [ReadRequest(name, dest, out[at:at + n], state)
+            for dest, at, n in box_runs(shape, box.lo, box.shape)]
+
+
+def _read_into(src: OursSource, name: str, state: str, shape, box: Box,
+               target: torch.Tensor) -> None:
+    """``box`` of ``name``'s ``state`` into ``target`` (the local tensor, or its flat view):
+    directly where it is a contiguous 1-D CPU tensor, else through a CPU copy."""
     if target.device.type == "cpu" and target.is_contiguous() and target.dim() == 1:
-        src.read([ReadRequest(name, start, target, state)])
+        src.read(_requests(name, state, shape, box, target))
         return
     staged = torch.empty(target.numel(), dtype=target.dtype)
-    src.read([ReadRequest(name, start, staged, state)])
+    src.read(_requests(name, state, shape, box, staged))
     target.copy_(staged.view(target.shape).to(target.device))
 
 

@@ -8,8 +8,8 @@ it), and the parameters are written by a background thread that the next
 ``optimizer.step()`` waits for. ``save_checkpoint`` is the same, waited for.
 
 Each rank writes its own arrays ``rank{r}/<key>`` (rank_writer.py) and its shard table
-(where its rows of every parameter and state sit) in the attributes of group ``rank{r}``;
-when its bytes are fsynced it reports to rank 0 by a file, and rank 0 writes the tensor
+(where its part of every parameter and state sits: rows, or a box on 2-D meshes) in the
+attributes of group ``rank{r}``; when its bytes are fsynced it reports to rank 0 by a file, and rank 0 writes the tensor
 table (global shapes, dtypes, optimizer kinds, step, crc32c of every chunk: docs/format.md,
 "Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
 ``latest`` (commit.py). The background threads make no collective calls.
@@ -27,11 +27,12 @@ import torch.distributed as dist
 from .. import dtypes
 from ..layout import create_group
 from ..layout.generations import PARTIAL, generation_name
-from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, rank_group, shard_entry,
-                               tensor_entry, tensor_rows, write_shard_table)
+from ..layout.manifest import (BOX_CHECKPOINT_VERSION, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+                               box_shard_entry, rank_group, shard_entry, tensor_entry,
+                               tensor_rows, write_shard_table)
 from ..layout.metadata_crc import METADATA_KEY
-from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
-                                  state_offsets)
+from ..optim.state_access import (adam_step, has_state, local_param, saved_parts, saved_rows,
+                                  state_arrays, state_dtype, state_offsets)
 from .buffers import snapshot_buffers
 from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
 from .generations import prepare_staging
@@ -189,20 +190,22 @@ def commit_generation(ckpt_dir: str, staging: str, final: str, attrs: dict, worl
 
 
 def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) -> dict:
-    """Which arrays this rank writes and where each parameter's rows land in them.
+    """Which arrays this rank writes and where each parameter's part lands in them.
 
     State arrays copy the store's arrays whole (so the snapshot's buckets map to chunks);
-    a parameter's state sits where the store keeps it. Parameter rows are packed, and so
-    are ``buffers`` (rank 0's copies). A replicated (non-DTensor) parameter is saved by
-    rank 0 only."""
-    infos = [i for i in opt.infos if i.distributed or rank == 0]
+    a parameter's state sits where the store keeps it. Parameter parts are packed, and so
+    are ``buffers`` (rank 0's copies). Each element is saved once (``saved_parts``): a
+    replicated (non-DTensor) parameter by rank 0, a box held by several ranks (HSDP
+    replicas) by the first of them; a run with boxes copies only the state arrays that hold
+    something this rank saves, so an HSDP replica above the first writes nothing."""
+    world = _collective()[1]
+    parts = {i.index: saved_parts(i, world) for i in opt.infos}
+    infos = [i for i in opt.infos if parts[i.index][rank] is not None]
     bucket_bytes = opt.store.config.bucket_bytes
-    names = {}         # layout array -> its name here
-    copies = {}        # store array -> (name here, dtype, numel, chunk bytes = its bucket)
+    names = {}         # layout array -> (its name here, store array, dtype, numel)
     for layout_name, (store_name, key, dtype, numel) in state_arrays(opt).items():
-        names[layout_name] = array_name(rank, key, dtype)
-        copies[store_name] = (names[layout_name], dtype, numel,
-                              elems_per_bucket(bucket_bytes, dtype) * dtype.itemsize)
+        names[layout_name] = (array_name(rank, key, dtype), store_name, dtype, numel)
+    holding = set()    # layout arrays holding state this rank saves
     param_arrays: dict[str, tuple[torch.dtype, int]] = {}
     params, shards = [], {}
 
@@ -215,22 +218,39 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) ->
         return arr, used
 
     for info in infos:
-        n = info.local_numel(rank if info.distributed else 0)
+        box = parts[info.index][rank]
+        n = box.numel
         states = {"param": pack(param_name(info), partial(local_param, info), "param", info.dtype, n)}
         if has_state(opt, info):
             for key, (layout_name, offset, numel) in state_offsets(opt, info).items():
                 if numel != n:
                     raise AssertionError(f"{param_name(info)}: {numel} elements of {key} in the "
                                          f"store, {n} in the parameter")
-                states[key] = (names[layout_name], offset)
-        row_rank = rank if info.distributed else 0
-        shards[param_name(info)] = shard_entry(info.row_offset(row_rank),
-                                               info.rows_per_rank[row_rank], n, states)
+                states[key] = (names[layout_name][0], offset)
+                holding.add(layout_name)
+        rows = saved_rows(info, parts[info.index])
+        if rows is not None:
+            shards[param_name(info)] = shard_entry(sum(rows[:rank]), rows[rank], n, states)
+        else:
+            shards[param_name(info)] = box_shard_entry(box.lo, box.shape, states)
     for name, buf in buffers.items():
         where = pack(f"buffer {name}", partial(buf.reshape, -1), "buffer", buf.dtype, buf.numel())
         shards[name] = shard_entry(0, tensor_rows(buf.shape), buf.numel(), {"param": where})
+    copies = {}        # store array -> (name here, dtype, numel, chunk bytes = its bucket)
+    for layout_name, (here, store_name, dtype, numel) in names.items():
+        if layout_name in holding or _format_version(opt) < BOX_CHECKPOINT_VERSION:
+            copies[store_name] = (here, dtype, numel,
+                                  elems_per_bucket(bucket_bytes, dtype) * dtype.itemsize)
     return {"infos": infos, "param_arrays": param_arrays, "params": params, "shards": shards,
             "state_arrays": copies}
+
+
+def _format_version(opt) -> int:
+    """Version 4 where a parameter is held as boxes (its tables may hold boxes, ranks may
+    hold nothing); else 3, which every reader since metadata checksums reads."""
+    if any(i.boxes is not None for i in opt.infos):
+        return BOX_CHECKPOINT_VERSION
+    return CHECKPOINT_VERSION
 
 
 def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> dict:
@@ -244,14 +264,18 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor]) -> d
                                      [tensor_rows(buf.shape)] + [0] * (world - 1), world)
         tensors[name]["buffer"] = True
     for info in opt.infos:
-        held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
+        parts = saved_parts(info, world)
+        rows = saved_rows(info, parts)
+        boxes = None if rows is not None else [None if b is None else (b.lo, b.shape)
+                                               for b in parts]
         tensors[param_name(info)] = tensor_entry(
             info.shape, dtypes.dtype(info.dtype).name, info.kind,
-            {k: dtypes.dtype(dt).name for k, dt in saved_states(opt, info).items()}, held, world)
+            {k: dtypes.dtype(dt).name for k, dt in saved_states(opt, info).items()},
+            rows or [], world, boxes)
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                if k not in ("params", "param_names") and _jsonable(v)}
               for g in opt.param_groups]
-    return {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "step": step,
+    return {"format": CHECKPOINT_FORMAT, "format_version": _format_version(opt), "step": step,
             "world_size": world, "tensors": tensors, "param_groups": groups,
             "buffers_saved": True}
 
