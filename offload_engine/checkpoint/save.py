@@ -39,6 +39,7 @@ from .generations import prepare_staging
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
 from .save_errors import save_error
+from .shared_dir import check_shared, write_marker
 from ..store.geometry import elems_per_bucket
 from ..units import MiB
 
@@ -91,13 +92,22 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     name = generation_name(step)
     final = os.path.join(ckpt_dir, name)
     staging = final + PARTIAL
-    problem = prepare_staging(ckpt_dir, final, staging, step) if rank == 0 else None
+    problem = token = None
+    if rank == 0:
+        problem = prepare_staging(ckpt_dir, final, staging, step)
+        if problem is None and coll:
+            try:
+                token = write_marker(staging)
+            except OSError as e:
+                problem = e
     if coll:  # every rank learns whether rank 0 could start, instead of waiting in a barrier
-        shared = [problem]
+        shared = [problem, token]
         dist.broadcast_object_list(shared, src=0)
-        problem = shared[0]
+        problem, token = shared
     if problem is not None:
         raise save_error(problem, final, 0)  # rank 0 prepares the generation's folder
+    if coll:  # a folder other nodes do not see would be a save that never commits
+        check_shared(ckpt_dir, staging, token, rank, world)
 
     pending = PendingCheckpoint(final, step)
     buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
