@@ -188,3 +188,31 @@ def test_a_shard_that_is_not_its_box_is_refused(tmp_path, change, match):
     g = gen(tmp_path)
     edited(g, "rank1", change)
     refused(g, match)
+
+
+def test_inspect_diff_export_and_consolidate_read_boxes(tmp_path, capsys):
+    """Every offline command reads box shards through the reader: a generation of boxes
+    equals (diff, exit 0) one of the same tensors as FSDP2 row blocks, exports and
+    consolidates to the tensors themselves."""
+    import numpy as np
+    from offload_engine.cli.main import main
+    from offload_engine.consolidate import get_fp32_state_dict
+
+    boxes = gen(tmp_path)
+    specs = tensors()
+    for spec in specs.values():
+        spec.pop("boxes", None)
+    rows = write_checkpoint(str(tmp_path / "rows"), specs, 3, step=5, chunk_bytes=4096)
+    assert main(["inspect", boxes]) == 0
+    assert main(["inspect", boxes, "--stats"]) == 0
+    assert main(["diff", boxes, rows, "--state", "all"]) == 0
+    specs["cols"]["states"]["param"][2, 5] += 1        # one element of rank 2's box
+    other = write_checkpoint(str(tmp_path / "other"), specs, 3, step=5, chunk_bytes=4096)
+    assert main(["diff", boxes, other]) == 1
+    out = str(tmp_path / "rect.npy")
+    assert main(["export", boxes, "rect", "--out", out]) == 0
+    assert np.array_equal(np.load(out), tensors()["rect"]["states"]["param"].numpy())
+    whole = get_fp32_state_dict(str(tmp_path / "ck"))
+    for name, spec in tensors().items():
+        assert torch.equal(whole[name], spec["states"]["param"]), name
+    capsys.readouterr()
