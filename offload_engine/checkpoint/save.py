@@ -9,9 +9,9 @@ it), and the parameters are written by a background thread that the next
 
 Each rank writes its own arrays ``rank{r}/<key>`` (rank_writer.py) and its shard table
 (where its part of every parameter and state sits: rows, or a box on 2-D meshes) in the
-attributes of group ``rank{r}``; when its bytes are fsynced it reports to rank 0 by a file, and rank 0 writes the tensor
-table (global shapes, dtypes, optimizer kinds, step, crc32c of every chunk: docs/format.md,
-"Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
+attributes of group ``rank{r}``; when its bytes are fsynced it reports to rank 0 by a
+file, and rank 0 writes the tensor table (global shapes, dtypes, optimizer kinds, step,
+crc32c of every chunk: docs/format.md, "Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
 ``latest`` (commit.py). The background threads make no collective calls.
 """
 
@@ -247,8 +247,9 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor]) ->
         where = pack(f"buffer {name}", partial(buf.reshape, -1), "buffer", buf.dtype, buf.numel())
         shards[name] = shard_entry(0, tensor_rows(buf.shape), buf.numel(), {"param": where})
     copies = {}        # store array -> (name here, dtype, numel, chunk bytes = its bucket)
+    every_array = _format_version(opt) < BOX_CHECKPOINT_VERSION   # as 1-D runs always did
     for layout_name, (here, store_name, dtype, numel) in names.items():
-        if layout_name in holding or _format_version(opt) < BOX_CHECKPOINT_VERSION:
+        if layout_name in holding or every_array:
             copies[store_name] = (here, dtype, numel,
                                   elems_per_bucket(bucket_bytes, dtype) * dtype.itemsize)
     return {"infos": infos, "param_arrays": param_arrays, "params": params, "shards": shards,

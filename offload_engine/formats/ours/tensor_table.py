@@ -3,8 +3,8 @@ checked and turned into logical tensors: everything listing shows, from the grou
 zarr.json alone.
 
 Per-rank bytes come from the row split (FSDP2 ``Shard(0)``, or a tensor's
-``rows_per_rank``) or a tensor's ``boxes_per_rank``, not from the shard tables: those are parsed only when data is read
-(``shard_tables.py``), and are checked there against this table.
+``rows_per_rank``) or its ``boxes_per_rank``, not from the shard tables: those are parsed
+only when data is read (``shard_tables.py``), and are checked there against this table.
 """
 
 from __future__ import annotations
