@@ -41,10 +41,12 @@ def sees_marker(staging: str, token: str) -> bool:
 
 
 def remove_marker(staging: str) -> None:
-    """Rank 0, once every rank has looked: the marker is no part of the generation."""
+    """Rank 0, once every rank has looked: the marker is no part of the generation. A
+    failure is ignored: the other ranks are already writing, and a stray dot-file in the
+    generation is read by no one (raising on rank 0 alone would leave them waiting)."""
     try:
         syscalls.unlink(os.path.join(staging, MARKER))
-    except FileNotFoundError:
+    except OSError:
         pass
 
 
