@@ -28,7 +28,8 @@ from offload_engine.io import AsyncFileIO
 from offload_engine.layout import FlatArray, create_group
 from offload_engine.formats.ours.tensor_table import FORMATS
 from offload_engine.layout.manifest import (CHECKPOINT_VERSION, MANIFEST_VERSION,
-                                            array_metadata_key, fsdp_rows, shard_entry,
+                                            array_metadata_key, box_shard_entry, fsdp_rows,
+                                            shard_entry,
                                             shard_table_key, tensor_entry, tensor_rows,
                                             write_shard_table)
 from offload_engine.layout.metadata_crc import METADATA_KEY, files_crc32c
@@ -97,6 +98,27 @@ def plan_sharded(tensors: dict, world_size: int) -> ShardedPlan:
         row_numel = math.prod(shape[1:])
         zdtypes = {state: dtypes.dtype(value.dtype if isinstance(value, torch.Tensor) else value).name
                    for state, value in spec["states"].items()}
+        if "boxes" in spec:  # [(start, shape) or None per rank]: a tensor held as boxes
+            for r, box in enumerate(spec["boxes"]):
+                if box is None:
+                    continue
+                start, extent = box
+                states = {}
+                for state, value in spec["states"].items():
+                    array = f"rank{r}/{state}" + ("" if zdtypes[state] == "float32"
+                                                  else f"_{zdtypes[state]}")
+                    arrays.setdefault(array, {"dtype": zdtypes[state], "numel": 0})
+                    offset = cursors.get(array, 0)
+                    cursors[array] = offset + math.prod(extent)
+                    states[state] = (array, offset)
+                    if isinstance(value, torch.Tensor):
+                        part = value[tuple(slice(a, a + n) for a, n in zip(start, extent))]
+                        writes.append((array, offset, part.reshape(-1)))
+                shards[r][name] = box_shard_entry(start, extent, states)
+            entries[name] = tensor_entry(shape, dtypes.dtype(spec["dtype"]).name,
+                                         spec.get("optimizer"), zdtypes, [], world_size,
+                                         spec["boxes"])
+            continue
         blocks = row_blocks(rows, world_size)
         for r, (row_start, nrows) in enumerate(blocks):
             numel = nrows * row_numel
@@ -127,7 +149,9 @@ def write_sharded(group: str, tensors: dict, world_size: int, *, kind: str = "ch
     """Write a store directory or one checkpoint generation at ``group``.
 
     ``tensors``: ``{name: {"shape": [...], "dtype": torch dtype of the parameter,
-    "optimizer": "muon" | "adamw" | None, "states": {state: tensor or torch dtype}}}``.
+    "optimizer": "muon" | "adamw" | None, "states": {state: tensor or torch dtype}}}``;
+    a spec with ``"boxes"`` (``[(start, shape) or None]`` per rank) is saved as those boxes
+    (docs/format.md, "Boxes"; needs ``format_version`` 4 in a checkpoint).
     A state given as a tensor (the full, unsharded value) is written; given as a dtype,
     only the manifest and array metadata are (``data=False`` does this for all: chunk
     files absent, reading as zeros). A checkpoint is written in ``format_version``: 3 and 4

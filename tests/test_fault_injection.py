@@ -204,6 +204,8 @@ MULTI_RANK_CASES = [
              errno=errno.EIO)),
     # rank 1's disk stays full: not even its failure report can be written in full
     (1, dict(kind="write", errno=errno.ENOSPC, times=None)),
+    # rank 0 cannot write the marker that checks every rank sees the directory
+    (0, dict(kind="rename", site="layout.metadata.replacing@ck:dir", errno=errno.EIO)),
 ]
 
 
@@ -248,6 +250,20 @@ def _save_with_a_fault_on_one_rank(rank, world, mesh, tmp):
         fs.assert_same(m2, o2, gen1, f"{where}: generation 1 on rank {rank}")
         o2.close()
         dist.barrier()
+    # rank 0 cannot remove that marker once every rank has seen it: the others are already
+    # writing, so the save goes on (raising on rank 0 alone left them waiting an hour)
+    fs.set_grads(model, 50)
+    opt.step()
+    plan = FaultPlan(under=ck, label=fs.path_label(tmp), kind="remove",
+                     site="checkpoint.shared_dir.remove_marker@ck:dir", errno=errno.EIO)
+    if rank == 0:
+        faults.arm(plan)
+    try:
+        save_checkpoint_async(ck, model, opt, 50, commit_timeout_s=60).wait(120)
+    finally:
+        faults.disarm()
+    if rank == 0:
+        assert len(plan.injected) == 1, plan.injected
     # no fault: the next save commits, and loads bit-exact
     want = fs.capture(model, opt)
     save_checkpoint(ck, model, opt, 99)

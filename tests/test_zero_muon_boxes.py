@@ -194,11 +194,11 @@ def test_row_counts_and_tiling_errors():
         check_tiling((4, 4), [Box((0, 0), (5, 4))], "w")
 
 
-def test_checkpoints_refuse_boxes_by_name_and_placement():
+def test_row_offset_refuses_boxes_by_name_and_placement():
     info = info_of(0, (7, 5), hsdp_split((7, 5), 2, 2))
     info.placement = "(Replicate(), Shard(dim=0)) on a 2x2 mesh"
     with pytest.raises(NotImplementedError, match=r"parameter w0 has placement \(Replicate\(\), "
-                                                  r"Shard\(dim=0\)\) on a 2x2 mesh: a checkpoint"):
+                                                  r"Shard\(dim=0\)\) on a 2x2 mesh: a first row"):
         info.row_offset(1)
     assert info.local_shape(1) == (3, 5) and info.local_numel(3) == 15
 

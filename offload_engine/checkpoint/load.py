@@ -1,8 +1,9 @@
 """Load a checkpoint generation into a model and its ZeroMuon optimizer, at the world size
 it was saved with or another one (all ranks call it).
 
-Each rank computes its own row block of every parameter from the *current* sharding and
-reads those rows through the one reader of our format (``formats.ours.OursSource``): it
+Each rank computes the part it holds of every parameter from the *current* sharding (a
+block of rows under FSDP2, a box on a 2-D mesh or under tensor parallel, all of a plain
+tensor) and reads it through the one reader of our format (``formats.ours.OursSource``): it
 parses the shard tables of the saved ranks that hold them (at the same world size, its own
 and rank 0's) and verifies the crc32c of every chunk it reads. Parameters are written into
 the model in place (straight into the parameter's memory where it is a contiguous CPU
@@ -20,7 +21,10 @@ from .. import dtypes
 from ..formats.errors import CheckpointError
 from ..formats.ours import OursSource
 from ..formats.source import ReadRequest
-from ..optim.state_access import local_param, mark_restored, param_state_arrays, write_param_state
+from ..layout.box_runs import box_runs
+from ..optim.boxes import Box
+from ..optim.state_access import (held_box, local_param, mark_restored, param_state_arrays,
+                                  write_param_state)
 from .buffers import persistent_buffers
 from .model_load import load_model_tensors, read_into as _read_into
 from .pending import finish_previous
@@ -79,11 +83,12 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module | None = None, optimiz
 
 
 def _load_optimizer(src: OursSource, opt, params: bool) -> None:
-    """This rank's rows of every parameter the optimizer holds (with ``params``) and of
-    its state; the saved hyperparameters into its groups."""
+    """This rank's part (rows, or a box) of every parameter the optimizer holds (with
+    ``params``) and of its state; the saved hyperparameters into its groups."""
     gen = src.group
+    rank = _collective()[0]
     tensors = {t.name: t for t in src.tensors()}
-    wanted = []  # (info, tensor meta, first element of this rank's rows)
+    wanted = []  # (info, tensor meta, the part of it this rank holds)
     for info in opt.infos:
         pname = param_name(info)
         meta = tensors.get(pname)
@@ -94,13 +99,12 @@ def _load_optimizer(src: OursSource, opt, params: bool) -> None:
             raise CheckpointError(
                 f"{gen}: parameter {pname} is {meta.dtype} {list(meta.shape)} in the "
                 f"checkpoint but {mine} {list(info.shape)} in the model")
-        r = src_rank(info)
-        wanted.append((info, meta, info.row_offset(r) * info.row_numel))
+        wanted.append((info, meta, held_box(info, rank)))
 
-    for info, meta, start in wanted:
+    for info, meta, box in wanted:
         pname = param_name(info)
         if params:
-            _read_into(src, pname, "param", start, local_param(info).view(-1))
+            _read_box_into(src, pname, "param", meta.shape, box, local_param(info).view(-1))
         saved = [k for k in meta.states if k != "param"]
         if not saved:
             continue
@@ -109,7 +113,7 @@ def _load_optimizer(src: OursSource, opt, params: bool) -> None:
                 raise CheckpointError(f"{gen}: parameter {pname} has no saved {key!r}")
             n = local_param(info).numel()
             value = torch.empty(n, dtype=meta.states[key].dtype.torch)
-            src.read([ReadRequest(pname, start, value, key)])
+            src.read(_requests(pname, key, meta.shape, box, value))
             write_param_state(opt, info, key, value)
         mark_restored(opt, info, meta.extra.get("adam_step"))
     for saved, group in zip(src.manifest.extra.get("param_groups", []), opt.param_groups):
@@ -118,11 +122,24 @@ def _load_optimizer(src: OursSource, opt, params: bool) -> None:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
 
 
-def src_rank(info) -> int:
-    """The rank whose rows of ``info`` this process loads: its own where the parameter is
-    sharded, rank 0's (the whole tensor) where it is not."""
-    rank, _, _ = _collective()
-    return rank if info.distributed else 0
+def _requests(name: str, state: str, shape, box: Box, out: torch.Tensor) -> list[ReadRequest]:
+    """Reads of ``box`` of ``name``'s ``state`` (global ``shape``) into the flat CPU tensor
+    ``out`` (row-major through the box, as the rank's local tensor holds it): one request
+    per run of the box in the flattened tensor (one for a block of whole rows)."""
+    return [ReadRequest(name, dest, out[at:at + n], state)
+            for dest, at, n in box_runs(shape, box.lo, box.shape)]
+
+
+def _read_box_into(src: OursSource, name: str, state: str, shape, box: Box,
+                   target: torch.Tensor) -> None:
+    """``box`` of ``name``'s ``state`` into ``target`` (the local tensor, or its flat view):
+    directly where it is a contiguous 1-D CPU tensor, else through a CPU copy."""
+    if target.device.type == "cpu" and target.is_contiguous() and target.dim() == 1:
+        src.read(_requests(name, state, shape, box, target))
+        return
+    staged = torch.empty(target.numel(), dtype=target.dtype)
+    src.read(_requests(name, state, shape, box, staged))
+    target.copy_(staged.view(target.shape).to(target.device))
 
 
 def _buffers_to_restore(src: OursSource, model, strict: bool = True) -> dict[str, torch.Tensor]:

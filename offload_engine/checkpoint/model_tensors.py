@@ -45,7 +45,7 @@ def row_block(t: torch.Tensor, name: str) -> RowBlock:
     return RowBlock(True, offset[0], shape[0])
 
 
-def saved_rows(t: torch.Tensor, name: str, rank: int, world: int) -> list[int]:
+def frozen_rows(t: torch.Tensor, name: str, rank: int, world: int) -> list[int]:
     """Rows each of ``world`` ranks saves of a frozen parameter: FSDP2's split for a
     DTensor (checked against this rank's own block), the whole tensor on rank 0 otherwise."""
     block = row_block(t, name)

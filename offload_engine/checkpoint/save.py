@@ -8,10 +8,10 @@ it), and the parameters are written by a background thread that the next
 ``optimizer.step()`` waits for. ``save_checkpoint`` is the same, waited for.
 
 Each rank writes its own arrays ``rank{r}/<key>`` (rank_writer.py) and its shard table
-(where its rows of every parameter and state sit) in the attributes of group ``rank{r}``;
-when its bytes are fsynced it reports to rank 0 by a file, and rank 0 writes the tensor
-table (global shapes, dtypes, optimizer kinds, step, crc32c of every chunk: docs/format.md,
-"Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
+(where its part of every parameter and state sits: rows, or a box on 2-D meshes) in the
+attributes of group ``rank{r}``; when its bytes are fsynced it reports to rank 0 by a
+file, and rank 0 writes the tensor table (global shapes, dtypes, optimizer kinds, step,
+crc32c of every chunk: docs/format.md, "Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
 ``latest`` (commit.py). The background threads make no collective calls.
 """
 
@@ -27,20 +27,22 @@ import torch.distributed as dist
 from .. import dtypes
 from ..layout import create_group
 from ..layout.generations import PARTIAL
-from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, rank_group, shard_entry,
-                               tensor_entry, tensor_rows, write_shard_table)
+from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, box_shard_entry,
+                               rank_group, shard_entry, tensor_entry, tensor_rows,
+                               write_shard_table)
 from ..layout.metadata_crc import METADATA_KEY, files_crc32c
-from ..optim.state_access import (adam_step, has_state, local_param, state_arrays, state_dtype,
-                                  state_offsets)
+from ..optim.state_access import (adam_step, has_state, local_param, saved_parts, saved_rows,
+                                  state_arrays, state_dtype, state_offsets)
 from . import training_state
 from .buffers import snapshot_buffers
 from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
 from .generations import prepare_staging
-from .model_tensors import frozen_parameters, local_rows, row_block, saved_rows, tied_aliases
+from .model_tensors import frozen_parameters, frozen_rows, local_rows, row_block, tied_aliases
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
 from .retention import apply_retention, check_keep_last
 from .save_errors import save_error
+from .shared_dir import check_shared, write_marker
 from .supported import check_optimizer
 from .tags import generation_dir
 from ..store.geometry import elems_per_bucket
@@ -110,18 +112,27 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     name = generation_dir(step, tag)
     final = os.path.join(ckpt_dir, name)
     staging = final + PARTIAL
-    problem = prepare_staging(ckpt_dir, final, staging, step) if rank == 0 else None
+    problem = token = None
+    if rank == 0:
+        problem = prepare_staging(ckpt_dir, final, staging, step)
+        if problem is None and coll:
+            try:
+                token = write_marker(staging)
+            except OSError as e:
+                problem = e
     if coll:  # every rank learns whether rank 0 could start, instead of waiting in a barrier
-        shared = [problem]
+        shared = [problem, token]
         dist.broadcast_object_list(shared, src=0)
-        problem = shared[0]
+        problem, token = shared
     if problem is not None:
         raise save_error(problem, final, 0)  # rank 0 prepares the generation's folder
+    if coll:  # a folder other nodes do not see would be a save that never commits
+        check_shared(ckpt_dir, staging, token, rank, world)
 
     pending = PendingCheckpoint(final, step)
     buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
     try:
-        frozen = [(n, t, saved_rows(t, n, rank, world)) for n, t in frozen_parameters(model, opt)]
+        frozen = [(n, t, frozen_rows(t, n, rank, world)) for n, t in frozen_parameters(model, opt)]
         state_doc = training_state.capture(extra, rng)  # now: a sampler moves on after the call
         plan = _plan(opt, rank, chunk_bytes, buffers, frozen)
         create_group(os.path.join(staging, rank_group(rank)), {})
@@ -216,21 +227,24 @@ def commit_generation(ckpt_dir: str, staging: str, final: str, attrs: dict, worl
 
 def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor],
           frozen: list = ()) -> dict:
-    """Which arrays this rank writes and where each parameter's rows land in them.
+    """Which arrays this rank writes and where each parameter's part lands in them.
 
     State arrays copy the store's arrays whole (so the snapshot's buckets map to chunks);
-    a parameter's state sits where the store keeps it. Parameter rows are packed, and so
+    a parameter's state sits where the store keeps it. Parameter parts are packed, and so
     are ``buffers`` (rank 0's copies) and the ``frozen`` parameters (``[(name, tensor,
-    rows of each rank)]``: this rank's rows of a DTensor). A replicated (non-DTensor)
-    parameter is saved by rank 0 only."""
-    infos = [i for i in opt.infos if i.distributed or rank == 0]
+    rows of each rank)]``: this rank's rows of a DTensor). Each element is saved once
+    (``saved_parts``): a replicated (non-DTensor) parameter by rank 0, a box held by
+    several ranks (HSDP replicas) by the first of them; a run with boxes copies only the
+    state arrays that hold something this rank saves, so an HSDP replica above the first
+    writes nothing."""
+    world = _collective()[1]
+    parts = {i.index: saved_parts(i, world) for i in opt.infos}
+    infos = [i for i in opt.infos if parts[i.index][rank] is not None]
     bucket_bytes = opt.store.config.bucket_bytes
-    names = {}         # layout array -> its name here
-    copies = {}        # store array -> (name here, dtype, numel, chunk bytes = its bucket)
+    names = {}         # layout array -> (its name here, store array, dtype, numel)
     for layout_name, (store_name, key, dtype, numel) in state_arrays(opt).items():
-        names[layout_name] = array_name(rank, key, dtype)
-        copies[store_name] = (names[layout_name], dtype, numel,
-                              elems_per_bucket(bucket_bytes, dtype) * dtype.itemsize)
+        names[layout_name] = (array_name(rank, key, dtype), store_name, dtype, numel)
+    holding = set()    # layout arrays holding state this rank saves
     param_arrays: dict[str, tuple[torch.dtype, int]] = {}
     params, shards = [], {}
 
@@ -243,17 +257,21 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor],
         return arr, used
 
     for info in infos:
-        n = info.local_numel(rank if info.distributed else 0)
+        box = parts[info.index][rank]
+        n = box.numel
         states = {"param": pack(param_name(info), partial(local_param, info), "param", info.dtype, n)}
         if has_state(opt, info):
             for key, (layout_name, offset, numel) in state_offsets(opt, info).items():
                 if numel != n:
                     raise AssertionError(f"{param_name(info)}: {numel} elements of {key} in the "
                                          f"store, {n} in the parameter")
-                states[key] = (names[layout_name], offset)
-        row_rank = rank if info.distributed else 0
-        shards[param_name(info)] = shard_entry(info.row_offset(row_rank),
-                                               info.rows_per_rank[row_rank], n, states)
+                states[key] = (names[layout_name][0], offset)
+                holding.add(layout_name)
+        rows = saved_rows(info, parts[info.index])
+        if rows is not None:
+            shards[param_name(info)] = shard_entry(sum(rows[:rank]), rows[rank], n, states)
+        else:
+            shards[param_name(info)] = box_shard_entry(box.lo, box.shape, states)
     for name, t, held in frozen:
         if not row_block(t, name).distributed and rank != 0:
             continue
@@ -263,6 +281,12 @@ def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor],
     for name, buf in buffers.items():
         where = pack(f"buffer {name}", partial(buf.reshape, -1), "buffer", buf.dtype, buf.numel())
         shards[name] = shard_entry(0, tensor_rows(buf.shape), buf.numel(), {"param": where})
+    copies = {}        # store array -> (name here, dtype, numel, chunk bytes = its bucket)
+    every_array = all(i.boxes is None for i in opt.infos)   # as 1-D runs always did
+    for layout_name, (here, store_name, dtype, numel) in names.items():
+        if layout_name in holding or every_array:
+            copies[store_name] = (here, dtype, numel,
+                                  elems_per_bucket(bucket_bytes, dtype) * dtype.itemsize)
     return {"infos": infos, "param_arrays": param_arrays, "params": params, "shards": shards,
             "state_arrays": copies}
 
@@ -280,10 +304,14 @@ def _manifest(opt, step: int, world: int, buffers: dict[str, torch.Tensor], froz
                                      [tensor_rows(buf.shape)] + [0] * (world - 1), world)
         tensors[name]["buffer"] = True
     for info in opt.infos:
-        held = info.rows_per_rank if info.distributed else [info.rows] + [0] * (world - 1)
+        parts = saved_parts(info, world)
+        rows = saved_rows(info, parts)
+        boxes = None if rows is not None else [None if b is None else (b.lo, b.shape)
+                                               for b in parts]
         tensors[param_name(info)] = tensor_entry(
             info.shape, dtypes.dtype(info.dtype).name, info.kind,
-            {k: dtypes.dtype(dt).name for k, dt in saved_states(opt, info).items()}, held, world)
+            {k: dtypes.dtype(dt).name for k, dt in saved_states(opt, info).items()},
+            rows or [], world, boxes)
     for name, t, held in frozen:
         dtype = dtypes.dtype(t.dtype).name
         tensors[name] = tensor_entry(t.shape, dtype, None, {"param": dtype}, held, world)

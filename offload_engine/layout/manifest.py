@@ -14,7 +14,9 @@ indented) that listing had to parse; the tensor table alone is about 7 MB.
 Rows follow FSDP2 ``Shard(0)``: rank r holds ``ceil(rows / world)`` rows (torch.chunk
 sizes, the last ranks short or empty), in rank order. A tensor held otherwise (a
 replicated parameter, saved by rank 0 or kept whole by every rank's store) lists its
-``rows_per_rank``.
+``rows_per_rank``. A tensor whose parts are not blocks of whole rows in rank order (tensor
+parallel's rectangles, a 2-D mesh's blocks) lists one **box** per rank instead,
+``boxes_per_rank``, and its shards record their box (``box_shard_entry``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ METADATA_CRC_VERSION = 3
 # like the shard tables), parameters outside the optimizer ("frozen": true), tied names
 # ("aliases") and a user-chosen name (a tag). Versions 2 and 3 stay readable.
 CHECKPOINT_VERSION = 4
+# 4 also: shards may be boxes, and a rank may hold no arrays (an HSDP replica above the
+# first saves nothing): a version 3 reader would misread a box, and refuses 4 by its number
+BOX_CHECKPOINT_VERSION = CHECKPOINT_VERSION
 
 
 def rank_group(rank: int) -> str:
@@ -65,10 +70,15 @@ def tensor_rows(shape) -> int:
 
 
 def tensor_entry(shape, dtype: str, optimizer: str | None, states: dict[str, str],
-                 rows_per_rank, world: int) -> dict:
+                 rows_per_rank, world: int, boxes=None) -> dict:
     """One tensor table entry. ``states``: {state key: zarr dtype name}; ``rows_per_rank``
-    is recorded only where it is not the FSDP2 split of the rows over ``world`` ranks."""
+    is recorded only where it is not the FSDP2 split of the rows over ``world`` ranks.
+    ``boxes``, for a tensor not split by rows: per rank ``(start, shape)`` of the box it
+    holds, or None where it holds nothing (``rows_per_rank`` is then ignored)."""
     entry = {"shape": list(shape), "dtype": dtype, "optimizer": optimizer, "states": states}
+    if boxes is not None:
+        entry["boxes_per_rank"] = [None if b is None else [list(b[0]), list(b[1])] for b in boxes]
+        return entry
     if tuple(rows_per_rank) != fsdp_rows(tensor_rows(shape), world):
         entry["rows_per_rank"] = list(rows_per_rank)
     return entry
@@ -87,6 +97,17 @@ def shard_entry(row_start: int, rows: int, numel: int, states: dict[str, tuple[s
     """One shard table entry: rows ``[row_start, row_start + rows)`` (``numel`` elements);
     state ``key`` is elements ``[offset, offset + numel)`` of array ``states[key][0]``."""
     return {"row_start": row_start, "rows": rows, "numel": numel,
+            "states": {k: {"array": a, "offset": o} for k, (a, o) in states.items()}}
+
+
+def box_shard_entry(start, shape, states: dict[str, tuple[str, int]]) -> dict:
+    """One shard table entry of a box: index ranges ``[start[d], start[d] + shape[d])`` of
+    the tensor, ``prod(shape)`` elements stored row-major from ``offset`` of each state's
+    array."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return {"start": list(start), "shape": list(shape), "numel": numel,
             "states": {k: {"array": a, "offset": o} for k, (a, o) in states.items()}}
 
 

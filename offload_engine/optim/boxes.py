@@ -99,6 +99,18 @@ def replica_index(boxes: list[Box], rank: int) -> int:
     return sum(1 for b in boxes[:rank] if b == mine)
 
 
+def first_copies(boxes: list[Box]) -> list[Box | None]:
+    """Each distinct non-empty box once, at the lowest rank holding it; None for every other
+    rank. Under HSDP that is replica 0's shard group (the ranks of one replica come before
+    the next's), whose copy the other replicas repeat: what a checkpoint saves."""
+    seen: set[Box] = set()
+    out: list[Box | None] = []
+    for b in boxes:
+        out.append(b if b.numel and b not in seen else None)
+        seen.add(b)
+    return out
+
+
 def sources(boxes: list[Box], owner: int) -> list[bool]:
     """``out[g]``: rank ``g`` sends its box to ``owner`` (each distinct non-empty box once).
 

@@ -6,9 +6,9 @@ planner all work from these, and the planner builds them from shapes alone.
 What each rank holds is written one of two ways: ``rows_per_rank`` for a row split
 (FSDP2 ``Shard(0)`` on a 1-D mesh, a tensor held whole, and everything the planner lays
 out), or ``boxes`` (one ``boxes.Box`` per rank) for every other placement (HSDP, tensor
-parallel, replicated DTensors). ``box(rank)`` answers for both, so the exchange and the
-state layout have one code path; the row form stays because checkpoints and the store's
-manifest record rows.
+parallel, replicated DTensors). ``box(rank)`` answers for both, so the exchange, the
+state layout and checkpoints have one code path; the row form stays because most runs are
+row splits, which manifests record as rows (docs/format.md).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class ParamInfo:
         return (self.rows_per_rank[rank], *self.shape[1:]) if self.shape else ()
 
     def row_offset(self, rank: int) -> int:
-        """First row ``rank`` holds; only for a row split (what checkpoints record)."""
-        self.require_row_split("a checkpoint, which records rows,")
+        """First row ``rank`` holds; only for a row split (a box has no first row of its own)."""
+        self.require_row_split("a first row")
         return sum(self.rows_per_rank[:rank])
 
     def require_row_split(self, what: str) -> None:
@@ -88,5 +88,5 @@ class ParamInfo:
             raise NotImplementedError(
                 f"parameter {self.name or self.index} has placement {self.placement or 'boxes'}"
                 f": {what} needs FSDP2's Shard(0) on a 1-D mesh (each rank a block of rows); "
-                "other placements (HSDP, tensor parallel, replicated DTensors) are not supported "
-                "there yet")
+                "other placements (HSDP, tensor parallel, replicated DTensors) hold boxes: use "
+                "box(rank)")

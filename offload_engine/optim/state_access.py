@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .boxes import Box, first_copies, full_box, row_box, row_counts
 from .params import ParamInfo
 from .sharding import local_tensor
 from .state_io import _write_array
@@ -24,14 +25,32 @@ def param_state_arrays(opt, info: ParamInfo) -> dict[str, ArrayKey]:
 def state_arrays(opt) -> dict[str, tuple[str, str, torch.dtype, int]]:
     """Every state array of this rank's layout: ``{layout name: (store array name, torch
     state key, torch dtype, numel)}``. A copy of a store array (a snapshot) holds parameter
-    ``info``'s state ``key`` at ``state_offsets(opt, info)[key][1]``.
-
-    Checkpoints record rows: NotImplementedError (naming the parameter and its placement)
-    when a parameter is held as boxes (a 2-D mesh, tensor parallel, a replicated DTensor)."""
-    for info in opt.infos:
-        info.require_row_split("saving a checkpoint")
+    ``info``'s state ``key`` at ``state_offsets(opt, info)[key][1]``."""
     return {name: (opt.array_name(name), a.key.kind.state_key, a.dtype.torch, a.numel)
             for name, a in opt.layout.arrays.items()}
+
+
+def saved_parts(info: ParamInfo, world: int) -> list[Box | None]:
+    """What each of ``world`` ranks saves of ``info`` in a checkpoint: a box, or None.
+    Every element is saved once: a plain tensor by rank 0, a row split by every rank (its
+    rows, maybe none), boxes by the first rank holding each (HSDP: replica 0; the other
+    replicas hold the same state and write nothing for it)."""
+    if not info.distributed:
+        return [full_box(info.shape)] + [None] * (world - 1)
+    if info.boxes is None:
+        return [info.box(r) for r in range(world)]
+    return first_copies(info.boxes)
+
+
+def saved_rows(info: ParamInfo, parts: list[Box | None]) -> list[int] | None:
+    """The rows each rank saves where ``parts`` (``saved_parts``) are whole rows in rank
+    order (FSDP2, a plain tensor, HSDP's replica 0, a replicated DTensor): the shard table
+    then records rows, as for any 1-D run; None where it must record boxes."""
+    if not info.distributed:
+        return [info.rows] + [0] * (len(parts) - 1)
+    if info.boxes is None:
+        return list(info.rows_per_rank)
+    return row_counts(info.shape, [row_box(info.shape, 0, 0) if b is None else b for b in parts])
 
 
 def state_offsets(opt, info: ParamInfo) -> dict[str, tuple[str, int, int]]:
@@ -68,6 +87,11 @@ def mark_restored(opt, info: ParamInfo, step: float | None) -> None:
 
 def has_state(opt, info: ParamInfo) -> bool:
     return info.index in opt._initialized
+
+
+def held_box(info: ParamInfo, rank: int) -> Box:
+    """The part of the global tensor ``rank`` holds (a plain tensor: all of it)."""
+    return info.box(rank) if info.distributed else full_box(info.shape)
 
 
 def local_param(info: ParamInfo) -> torch.Tensor:

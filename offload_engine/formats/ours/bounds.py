@@ -20,15 +20,21 @@ from __future__ import annotations
 from ..errors import CheckpointError
 
 
-def held_ranks_checked(attrs: dict, world: int, arrays: dict, where: str) -> list[int]:
+def held_ranks_checked(attrs: dict, world: int, arrays: dict, where: str,
+                       empty_ranks_ok: bool = False) -> list[int]:
     """The ranks whose shard tables the group holds (``layout.manifest.held_ranks``), each
-    checked to exist in ``arrays`` ({name: ArrayEntry}) before the list is built."""
+    checked to exist in ``arrays`` ({name: ArrayEntry}) before the list is built.
+    ``empty_ranks_ok``: a version 4 checkpoint, whose ranks may hold no array (an HSDP
+    replica saves nothing) and whose world size its ``metadata_checksums`` bound instead
+    (one checksum per rank's shard table, checked before)."""
     if "rank" in attrs:
         rank = attrs["rank"]
         if type(rank) is not int or not 0 <= rank < world:
             raise CheckpointError(f"{where}: 'rank' must be an integer in [0, {world}), got "
                                   f"{rank!r}")
         return [rank]
+    if empty_ranks_ok:
+        return list(range(world))
     have = {a.rank for a in arrays.values() if a.rank is not None and a.rank < world}
     if world > max(1, len(have)):
         missing = [r for r in range(len(have) + 3) if r not in have][:3]

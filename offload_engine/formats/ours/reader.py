@@ -30,7 +30,8 @@ from ...io import AsyncFileIO, BufferPool, device_profile
 from ...io.align import as_byte_view
 from ...layout import FlatArray, MetadataError, NodeNotFoundError
 from ...layout.checksums import ChecksumError, mismatch
-from ...layout.manifest import (SHARDS, array_metadata_key, read_shard_table,
+from ...layout.box_runs import box_runs, overlap
+from ...layout.manifest import (BOX_CHECKPOINT_VERSION, SHARDS, array_metadata_key, read_shard_table,
                                 shard_table_key, shard_table_path)
 from ...layout.member_paths import inside
 from ...layout.metadata_crc import file_crc32c
@@ -107,6 +108,7 @@ class OursSource(TensorSource):
         self._tables = ShardTables(m) if m.has_tensor_table else None
         self._pool: BufferPool | None = None
         self._ranges: RangeReader | None = None
+        self._disjoint: set[str] = set()   # box tensors checked not to overlap
 
     def verify_metadata(self) -> None:
         """Check the crc32c of every metadata file the manifest records (shard tables and
@@ -209,6 +211,8 @@ class OursSource(TensorSource):
         if m.world_size is None:
             return
         ranks = {a.rank for a in m.arrays.values() if a.rank is not None}
+        if self.kind == "checkpoint" and m.format_version >= BOX_CHECKPOINT_VERSION:
+            return  # a rank may hold no array (an HSDP replica); its shard table must be there
         if m.has_tensor_table:
             missing = sorted(set(m.ranks) - ranks)
         else:  # every rank of world_size, which nothing bounded: list a few, not all
@@ -346,6 +350,9 @@ class OursSource(TensorSource):
     def _read_range(self, t: TensorMeta, state: str, lo: int, hi: int, dest: memoryview,
                     size: int) -> None:
         placements = self._placements_for(t, state, lo, hi)
+        if t.name in self.manifest.boxes:
+            self._read_boxes(t, state, placements, lo, hi, dest, size)
+            return
         i = max(0, bisect.bisect_right(placements, (lo, float("inf"))) - 1)
         reader = self._range_reader()
         pos = lo
@@ -365,6 +372,42 @@ class OursSource(TensorSource):
             where = ("outside the tensor" if m.all_ranks or not m.has_tensor_table else
                      f"held by other ranks (this store holds rank {m.ranks[0]} of {m.world_size})")
             raise CheckpointError(f"{t.name}/{state}: elements [{pos}, {hi}) are {where}")
+
+    def _read_boxes(self, t: TensorMeta, state: str, placements: list, lo: int, hi: int,
+                    dest: memoryview, size: int) -> None:
+        """Elements ``[lo, hi)`` of a tensor held as boxes: the runs of every box that fall
+        there (the boxes do not overlap, so the elements copied add up to ``hi - lo`` exactly
+        when every element is held)."""
+        self._check_disjoint(t)
+        reader = self._range_reader()
+        got = 0
+        for p in placements:
+            array = self._array(p.array)
+            for at, inside, n in box_runs(t.shape, p.box[0], p.box[1], lo, hi):
+                a = p.offset + inside
+                reader.read(array, a, a + n, dest[(at - lo) * size:(at - lo + n) * size])
+                got += n
+        if got < hi - lo:
+            m = self.manifest
+            where = ("in no box" if m.all_ranks else
+                     f"held by other ranks (this store holds rank {m.ranks[0]} of {m.world_size})")
+            raise CheckpointError(f"{t.name}/{state}: {hi - lo - got} of elements [{lo}, {hi}) "
+                                  f"are {where}")
+
+    def _check_disjoint(self, t: TensorMeta) -> None:
+        """A group of every rank: no two ranks' boxes of ``t`` overlap (once per tensor; the
+        tensor table's parse checked that their elements add up to the tensor's)."""
+        if not self.manifest.all_ranks or t.name in self._disjoint:
+            return
+        boxes = [b for b in self.manifest.boxes[t.name] if b is not None and math.prod(b[1])]
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                if overlap(a, b):
+                    raise CheckpointError(
+                        f"{os.path.join(self.group, 'zarr.json')}: tensor {t.name!r}: boxes "
+                        f"start={list(a[0])} shape={list(a[1])} and start={list(b[0])} "
+                        f"shape={list(b[1])} of 'boxes_per_rank' overlap")
+        self._disjoint.add(t.name)
 
     def scan(self, keys: Sequence[tuple[str, str]], visit: Visit, progress: Progress | None = None,
              window_bytes: int | None = None, workers: int = 1) -> int:

@@ -13,6 +13,11 @@ rank's parsed JSON is alive at once. Each shard must sit where the tensor table'
 puts it (the rank's block of a split tensor; row 0 of one every rank holds whole), and
 every tensor the split gives rows on a rank must have a shard there: so the ranks' blocks
 tile each tensor exactly, whichever ranks were read.
+
+A tensor the tensor table lists by ``boxes_per_rank`` has box shards (``start``,
+``shape``): each must be the table's box for its rank, and becomes one ``Placement`` whose
+``dest`` is the box's first element and whose ``box`` says how its elements lie in the
+tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from ...layout.box_runs import first_element
 from ..errors import CheckpointError
 from .bounds import RowSplit
 from .tensor_table import Manifest, Placement
@@ -62,6 +68,11 @@ class ShardTables:
 
     def ranks_for(self, name: str, lo_row: int, hi_row: int) -> list[int]:
         """The held ranks whose rows of ``name`` overlap rows ``[lo_row, hi_row)``."""
+        boxes = self.m.boxes.get(name)
+        if boxes is not None:
+            return [r for r in self.m.ranks if boxes[r] is not None and math.prod(boxes[r][1])
+                    and (not boxes[r][0] or (boxes[r][0][0] < hi_row
+                                             and lo_row < boxes[r][0][0] + boxes[r][1][0]))]
         counts = self.m.rows[name]
         out = []
         for r in self.m.ranks:
@@ -82,8 +93,8 @@ class ShardTables:
         The checks run on every shard, so they are written for speed."""
         if type(doc) is not dict:
             raise CheckpointError(f"{where}: 'shards' must be an object {{tensor: shard}}")
-        tensors, row_numels, numels, dtypes = self._tensors, self._row_numel, self._numels, self._dtypes
-        rows_of, placements = self.m.rows, self._placements
+        tensors, numels, dtypes = self._tensors, self._numels, self._dtypes
+        rows_of, placements, boxes_of = self.m.rows, self._placements, self.m.boxes
         for name, shard in doc.items():
             t = tensors.get(name)
             if t is None:
@@ -91,31 +102,15 @@ class ShardTables:
                                       f"not in the tensor table")
             if type(shard) is not dict:
                 raise CheckpointError(f"{where}: tensor {name!r}: the shard must be an object")
-            try:
-                row_start, nrows, numel = shard["row_start"], shard["rows"], shard["numel"]
-            except KeyError as e:
-                raise CheckpointError(f"{where}: tensor {name!r}: a shard has no {e.args[0]!r}") from None
-            if not (type(row_start) is int and type(nrows) is int and type(numel) is int
-                    and row_start >= 0 and nrows >= 0 and numel >= 0):
-                raise CheckpointError(f"{where}: tensor {name!r}: a shard's row_start, rows and "
-                                      f"numel must be integers >= 0, got {row_start!r}, "
-                                      f"{nrows!r}, {numel!r}")
-            row_numel = row_numels[name]
-            if numel != nrows * row_numel:
-                raise CheckpointError(f"{where}: tensor {name!r}, rank {rank}: numel {numel} is not "
-                                      f"rows {nrows} x {row_numel} elements per row")
-            expected = rows_of[name][rank]
-            if nrows != expected:
-                raise CheckpointError(f"{where}: tensor {name!r}: rank {rank} holds {nrows} rows, "
-                                      f"the tensor table says {expected}")
-            if nrows and row_start != self.expected_start(name, rank):
-                raise CheckpointError(f"{where}: tensor {name!r}: rank {rank}'s shard starts at row "
-                                      f"{row_start}, the tensor table's row split puts it at row "
-                                      f"{self.expected_start(name, rank)}")
+            box = None
+            if boxes_of and name in boxes_of:
+                box, numel = _box_of(shard, boxes_of[name][rank], where, name, rank)
+                dest = first_element(t.shape, box[0])
+            else:
+                numel, dest = self._rows_of(shard, where, name, rank)
             states = shard.get("states", _EMPTY)
             if type(states) is not dict or states.keys() != t.states.keys():
                 raise CheckpointError(_bad_states(where, name, rank, states, t.states))
-            dest = row_start * row_numel
             for state, ref in states.items():
                 try:
                     array, offset = ref["array"], ref["offset"]
@@ -134,15 +129,61 @@ class ShardTables:
                 acc = placements.get((name, state))
                 if acc is None:
                     acc = placements[(name, state)] = []
-                bisect.insort(acc, _new_placement(Placement, (dest, numel, array, offset, rank)))
+                bisect.insort(acc, _new_placement(Placement, (dest, numel, array, offset, rank, box)))
         for t in self.m.tensors:
             n = rows_of[t.name][rank]
             if n and t.name not in doc:
+                if t.name in boxes_of:
+                    raise CheckpointError(f"{where}: tensor {t.name!r}: rank {rank}'s box is in "
+                                          f"no shard (its shard table has no entry; the tensor "
+                                          f"table gives it {n} elements)")
                 start = self.expected_start(t.name, rank)
                 raise CheckpointError(f"{where}: tensor {t.name!r}: rows [{start}, {start + n}) "
                                       f"are in no shard (rank {rank}'s shard table has no entry; "
                                       f"the tensor table gives it {n} rows)")
         self.ranks.add(rank)
+
+    def _rows_of(self, shard: dict, where: str, name: str, rank: int) -> tuple[int, int]:
+        """(elements, first element in the tensor) of a shard of rows, checked."""
+        try:
+            row_start, nrows, numel = shard["row_start"], shard["rows"], shard["numel"]
+        except KeyError as e:
+            raise CheckpointError(f"{where}: tensor {name!r}: a shard has no {e.args[0]!r}") from None
+        if not (type(row_start) is int and type(nrows) is int and type(numel) is int
+                and row_start >= 0 and nrows >= 0 and numel >= 0):
+            raise CheckpointError(f"{where}: tensor {name!r}: a shard's row_start, rows and "
+                                  f"numel must be integers >= 0, got {row_start!r}, "
+                                  f"{nrows!r}, {numel!r}")
+        row_numel = self._row_numel[name]
+        if numel != nrows * row_numel:
+            raise CheckpointError(f"{where}: tensor {name!r}, rank {rank}: numel {numel} is not "
+                                  f"rows {nrows} x {row_numel} elements per row")
+        expected = self.m.rows[name][rank]
+        if nrows != expected:
+            raise CheckpointError(f"{where}: tensor {name!r}: rank {rank} holds {nrows} rows, "
+                                  f"the tensor table says {expected}")
+        if nrows and row_start != self.expected_start(name, rank):
+            raise CheckpointError(f"{where}: tensor {name!r}: rank {rank}'s shard starts at row "
+                                  f"{row_start}, the tensor table's row split puts it at row "
+                                  f"{self.expected_start(name, rank)}")
+        return numel, row_start * row_numel
+
+
+def _box_of(shard: dict, want, where: str, name: str, rank: int) -> tuple[tuple, int]:
+    """((start, shape), elements) of a box shard, checked to be the tensor table's box of
+    ``rank`` (``want``: (start, shape), or None where the table gives the rank none)."""
+    start, shape = shard.get("start"), shard.get("shape")
+    if want is None or type(start) is not list or type(shape) is not list \
+            or (tuple(start), tuple(shape)) != want:
+        raise CheckpointError(f"{where}: tensor {name!r}: rank {rank}'s shard is the box "
+                              f"start={start!r:.100} shape={shape!r:.100}, the tensor table's "
+                              f"boxes_per_rank gives it " + ("none" if want is None else
+                              f"start={list(want[0])} shape={list(want[1])}"))
+    numel = math.prod(want[1])
+    if shard.get("numel") != numel:
+        raise CheckpointError(f"{where}: tensor {name!r}, rank {rank}: numel "
+                              f"{shard.get('numel')!r} is not the {numel} elements of its box")
+    return want, numel
 
 
 def _bad_states(where, name, rank, states, want) -> str:

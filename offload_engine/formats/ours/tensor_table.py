@@ -3,8 +3,8 @@ checked and turned into logical tensors: everything listing shows, from the grou
 zarr.json alone.
 
 Per-rank bytes come from the row split (FSDP2 ``Shard(0)``, or a tensor's
-``rows_per_rank``), not from the shard tables: those are parsed only when data is read
-(``shard_tables.py``), and are checked there against this table.
+``rows_per_rank``) or its ``boxes_per_rank``, not from the shard tables: those are parsed
+only when data is read (``shard_tables.py``), and are checked there against this table.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import NamedTuple
 from ... import dtypes
 from ...dtypes import DType
 from ...layout import MetadataError, NodeNotFoundError, read_group
-from ...layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, MANIFEST_VERSION,
-                                METADATA_CRC_VERSION, SHARDS, STORE_FORMAT, STORE_VERSION,
-                                array_metadata_key,
+from ...layout.manifest import (BOX_CHECKPOINT_VERSION, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+                                MANIFEST_VERSION, METADATA_CRC_VERSION, SHARDS, STORE_FORMAT,
+                                STORE_VERSION, array_metadata_key,
                                 shard_table_key)
 from ...layout.member_paths import name_problem
 from ...layout.metadata_crc import METADATA_KEY, SEAL_KEY
@@ -43,13 +43,17 @@ _SEAL = re.compile(r"[0-9a-f]{8}")
 class Placement(NamedTuple):
     """Elements ``[dest, dest + numel)`` of a logical tensor's state are elements
     ``[offset, offset + numel)`` of array ``array``, held by ``rank``. (A tuple: a
-    manifest of 50,000 tensors over 8 ranks makes over half a million of them.)"""
+    manifest of 50,000 tensors over 8 ranks makes over half a million of them.)
+
+    A box (``box`` = ``(start, shape)``, docs/format.md) is ``numel`` elements of the array
+    too, but in the tensor they are runs from ``dest`` on (``layout.box_runs``)."""
 
     dest: int
     numel: int
     array: str
     offset: int
     rank: int | None
+    box: tuple | None = None
 
 
 @dataclass
@@ -71,7 +75,7 @@ class Manifest:
     arrays: dict[str, ArrayEntry]
     tensors: list[TensorMeta]
     ranks: list[int]                        # ranks whose shard tables the group holds
-    rows: dict[str, list[int] | RowSplit]   # tensor -> rows each rank holds
+    rows: dict[str, list[int] | RowSplit]   # tensor -> rows (a box tensor: elements) per rank
     checksums: dict[str, list] | None = None
     # {path inside the group: crc32c} of every metadata file but the manifest (version 3
     # checkpoints); None where the metadata is not checksummed (stores, version 2)
@@ -83,6 +87,8 @@ class Manifest:
     # the group's own attributes hold its one rank's shard table, ``shards`` (a store
     # since version 3, whose arrays sit in its own folder with no rank prefix)
     inline_shards: bool = False
+    # tensor -> per rank (start, shape) of its box or None: the tensors held as boxes
+    boxes: dict = field(default_factory=dict)
 
     @property
     def all_ranks(self) -> bool:
@@ -174,7 +180,11 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
                         metadata_crcs, committed, False, placements, extra)
     if world is None:
         raise CheckpointError(f"{where}: a manifest with a tensor table needs 'world_size'")
-    ranks = held_ranks_checked(attrs, world, arrays, where)  # before any list of ranks
+    # a version 4 checkpoint may have ranks without arrays (HSDP replicas); its world size
+    # is bounded by metadata_checksums, one entry per rank's shard table
+    boxes_ok = kind == "store" or version >= BOX_CHECKPOINT_VERSION
+    ranks = held_ranks_checked(attrs, world, arrays, where,
+                               empty_ranks_ok=kind == "checkpoint" and boxes_ok)
     # a store of one rank written since version 3 keeps its table beside the tensor table;
     # one without it (version 2, or a store holding every rank) in group rank{r}
     inline = kind == "store" and "rank" in attrs and SHARDS in attrs
@@ -182,10 +192,10 @@ def parse_manifest(attrs: dict, kind: str, where: str) -> Manifest:
         for a in arrays.values():
             if a.rank is None:
                 a.rank = ranks[0]
-    tensors, rows, per_split = _parse_tensors(tensors_doc, world, ranks, where)
+    tensors, rows, per_split, boxes = _parse_tensors(tensors_doc, world, ranks, where, boxes_ok)
     check_capacity(per_split, ranks, tensors, arrays, where)  # before a shape sizes anything
     return Manifest(fmt, version, step, world, arrays, tensors, ranks, rows, checksums,
-                    metadata_crcs, committed, True, None, extra, inline)
+                    metadata_crcs, committed, True, None, extra, inline, boxes)
 
 
 def _parse_arrays(doc, where: str) -> dict[str, ArrayEntry]:
@@ -280,16 +290,17 @@ def _nat(value) -> bool:
     return type(value) is int and value >= 0
 
 
-def _parse_tensors(doc, world: int, ranks: list[int], where: str):
-    """The tensor table: TensorMeta per entry and the rows each rank holds. Runs once per
-    tensor at listing, so the checks are written for speed; messages are built on failure."""
+def _parse_tensors(doc, world: int, ranks: list[int], where: str, boxes_ok: bool = False):
+    """The tensor table: TensorMeta per entry and the rows each rank holds (a tensor with
+    ``boxes_per_rank``: the elements, and its boxes). Runs once per tensor at listing, so
+    the checks are written for speed; messages are built on failure."""
     if not isinstance(doc, dict):
         raise CheckpointError(f"{where}: 'tensors' must be an object {{name: entry}}")
     known_dtypes: dict[str, DType] = {}  # zarr name -> dtype, checked once
     split_of: dict[int, RowSplit] = {}  # rows -> their FSDP2 split: tensors share a few
     per_split: dict = {}  # (rows per rank, dtype) -> elements per row of the states using both
     all_ranks = len(ranks) == world and ranks == list(range(world))
-    tensors, rows_of = [], {}
+    tensors, rows_of, boxes_of = [], {}, {}
     for name, entry in doc.items():
         if type(entry) is not dict:
             raise CheckpointError(f"{where}: tensor {name!r} must be an object")
@@ -302,7 +313,16 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         rows = shape[0] if shape else 1
         row_numel = math.prod(shape[1:])
         counts = entry.get("rows_per_rank")
-        if counts is None:
+        if "boxes_per_rank" in entry:
+            if not boxes_ok:
+                raise CheckpointError(f"{where}: tensor {name!r} has 'boxes_per_rank', which "
+                                      f"format_version {BOX_CHECKPOINT_VERSION} introduced; this "
+                                      f"manifest says an earlier version: damaged or forged")
+            boxes_of[name] = _parse_boxes(entry["boxes_per_rank"], shape, world, all_ranks,
+                                          f"{where}: tensor {name!r}")
+            counts = tuple(0 if b is None else math.prod(b[1]) for b in boxes_of[name])
+            row_numel = 1  # counts are elements: bytes per rank are counts * itemsize
+        elif counts is None:
             counts = split_of.get(rows)
             if counts is None:
                 counts = split_of[rows] = RowSplit(rows, world)
@@ -318,7 +338,7 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
         if type(states) is not dict or not states:
             raise CheckpointError(f"{where}: tensor {name!r} has no 'states' object "
                                f"{{state: dtype}}")
-        numel = rows * row_numel
+        numel = math.prod(shape)
         states_meta = {}
         for state, sdtype in states.items():
             known = known_dtypes.get(sdtype) if type(sdtype) is str else None
@@ -339,5 +359,31 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str):
             meta.extra["adam_step"] = step
         tensors.append(meta)
         rows_of[name] = counts
-    return tensors, rows_of, per_split
+    return tensors, rows_of, per_split, boxes_of
+
+
+def _parse_boxes(doc, shape: tuple, world: int, all_ranks: bool, what: str) -> list:
+    """A tensor's ``boxes_per_rank``: per rank ``(start, shape)`` tuples inside the tensor,
+    or None. In a group of every rank their elements add up to the tensor's (the boxes
+    also must not overlap: checked when a reader first reads the tensor)."""
+    if type(doc) is not list or len(doc) != world:
+        raise CheckpointError(f"{what}: 'boxes_per_rank' must list the box of each of the "
+                              f"{world} ranks ([start, shape] or null), got {doc!r:.200}")
+    out, total, nd = [], 0, len(shape)
+    for r, b in enumerate(doc):
+        if b is None:
+            out.append(None)
+            continue
+        if not (type(b) is list and len(b) == 2 and all(
+                type(v) is list and len(v) == nd and all(_nat(x) for x in v) for v in b)
+                and all(s + e <= n for s, e, n in zip(b[0], b[1], shape))):
+            raise CheckpointError(f"{what}: rank {r}'s box must be [start, shape], two lists "
+                                  f"of {nd} integers >= 0 inside its shape {list(shape)}, "
+                                  f"got {b!r:.200}")
+        out.append((tuple(b[0]), tuple(b[1])))
+        total += math.prod(b[1])
+    if all_ranks and total != math.prod(shape):
+        raise CheckpointError(f"{what}: the boxes of 'boxes_per_rank' hold {total} elements, "
+                              f"the tensor has {math.prod(shape)}")
+    return out
 
