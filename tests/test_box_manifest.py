@@ -22,7 +22,7 @@ from offload_engine.formats.errors import CheckpointError
 from offload_engine.formats.ours import OursSource
 from offload_engine.formats.source import ReadRequest
 from offload_engine.layout.box_runs import box_runs
-from offload_engine.layout.manifest import BOX_CHECKPOINT_VERSION, CHECKPOINT_VERSION
+from offload_engine.layout.manifest import BOX_CHECKPOINT_VERSION, METADATA_CRC_VERSION
 from synthetic import reseal, write_checkpoint
 
 WORLD = 4
@@ -137,7 +137,7 @@ def refused(g: str, match: str, data: bool = True) -> None:
 
 
 def test_boxes_in_a_version_3_manifest_are_refused(tmp_path):
-    g = gen(tmp_path, version=CHECKPOINT_VERSION)
+    g = gen(tmp_path, version=METADATA_CRC_VERSION)
     refused(g, r"tensor 'cols' has 'boxes_per_rank', which format_version 4 introduced", data=False)
 
 
