@@ -2,6 +2,7 @@
 (docs/format.md promises dimension_names for xarray; with one shared "element" of
 different lengths, xarray refused every group)."""
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -16,8 +17,10 @@ from offload_engine.optim import ZeroMuon
 xr = pytest.importorskip("xarray")
 
 
-def test_open_datatree_of_a_store_and_a_checkpoint(tmp_path):
-    torch.manual_seed(0)
+@contextlib.contextmanager
+def trained_store_and_checkpoint(tmp_path):
+    """One step of a small model with its store in ``tmp_path/state`` (flushed, still open
+    while the block runs) and checkpoint ``tmp_path/ck/step-00000001``."""
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     store = {"nvme_paths": [str(tmp_path / "state")], "bucket_bytes": 4096,
              "cpu_budget": 64 * 4096}
@@ -27,6 +30,12 @@ def test_open_datatree_of_a_store_and_a_checkpoint(tmp_path):
         opt.step()
         save_checkpoint(str(tmp_path / "ck"), model, opt, step=1)
         opt.store.flush(sync=True)
+        yield
+
+
+def test_open_datatree_of_a_store_and_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    with trained_store_and_checkpoint(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing in the store surprises zarr-python
             live = xr.open_datatree(str(tmp_path / "state" / "rank0"), engine="zarr",
@@ -53,15 +62,7 @@ def test_zarr_python_walks_a_live_store_and_a_checkpoint_without_a_warning(tmp_p
     does not know sits in either (zarr-python warned about the store's lock file)."""
     zarr = pytest.importorskip("zarr")
     import offload_engine.layout  # noqa: F401  (registers bfloat16 with zarr-python)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-    store = {"nvme_paths": [str(tmp_path / "state")], "bucket_bytes": 4096,
-             "cpu_budget": 64 * 4096}
-    with ZeroMuon(model.named_parameters(), lr=0.02, store=store) as opt:
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
-        save_checkpoint(str(tmp_path / "ck"), model, opt, step=1)
-        opt.store.flush(sync=True)
+    with trained_store_and_checkpoint(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             for path in (tmp_path / "state" / "rank0", tmp_path / "ck" / "step-00000001"):

@@ -26,7 +26,7 @@ from ..optim.boxes import Box
 from ..optim.state_access import (held_box, local_param, mark_restored, param_state_arrays,
                                   write_param_state)
 from .buffers import persistent_buffers
-from .model_load import load_model_tensors, read_into as _read_into
+from .model_load import fill, load_model_tensors, read_into as _read_into
 from .pending import finish_previous
 from .save import _collective, param_name
 from .supported import check_optimizer
@@ -132,14 +132,8 @@ def _requests(name: str, state: str, shape, box: Box, out: torch.Tensor) -> list
 
 def _read_box_into(src: OursSource, name: str, state: str, shape, box: Box,
                    target: torch.Tensor) -> None:
-    """``box`` of ``name``'s ``state`` into ``target`` (the local tensor, or its flat view):
-    directly where it is a contiguous 1-D CPU tensor, else through a CPU copy."""
-    if target.device.type == "cpu" and target.is_contiguous() and target.dim() == 1:
-        src.read(_requests(name, state, shape, box, target))
-        return
-    staged = torch.empty(target.numel(), dtype=target.dtype)
-    src.read(_requests(name, state, shape, box, staged))
-    target.copy_(staged.view(target.shape).to(target.device))
+    """``box`` of ``name``'s ``state`` into ``target`` (the local tensor, or its flat view)."""
+    fill(src, target, lambda out: _requests(name, state, shape, box, out))
 
 
 def _buffers_to_restore(src: OursSource, model, strict: bool = True) -> dict[str, torch.Tensor]:

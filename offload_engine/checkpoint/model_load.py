@@ -29,11 +29,18 @@ log = logging.getLogger(__name__)
 def read_into(src: OursSource, name: str, state: str, start: int, target: torch.Tensor) -> None:
     """Elements ``[start, start + target.numel())`` of ``name``'s ``state`` into
     ``target``: directly where it is a contiguous CPU tensor, else through a CPU copy."""
+    fill(src, target, lambda out: [ReadRequest(name, start, out, state)])
+
+
+def fill(src: OursSource, target: torch.Tensor, requests) -> None:
+    """Read ``requests(out)`` (the reads that fill the flat CPU tensor ``out``) into
+    ``target``: ``out`` is ``target`` itself where it is a contiguous 1-D CPU tensor, else a
+    CPU tensor of its size that is copied into it afterwards."""
     if target.device.type == "cpu" and target.is_contiguous() and target.dim() == 1:
-        src.read([ReadRequest(name, start, target, state)])
+        src.read(requests(target))
         return
     staged = torch.empty(target.numel(), dtype=target.dtype)
-    src.read([ReadRequest(name, start, staged, state)])
+    src.read(requests(staged))
     target.copy_(staged.view(target.shape).to(target.device))
 
 

@@ -21,6 +21,7 @@ parallel's rectangles, a 2-D mesh's blocks) lists one **box** per rank instead,
 
 from __future__ import annotations
 
+import math
 import os
 from functools import lru_cache
 
@@ -104,10 +105,7 @@ def box_shard_entry(start, shape, states: dict[str, tuple[str, int]]) -> dict:
     """One shard table entry of a box: index ranges ``[start[d], start[d] + shape[d])`` of
     the tensor, ``prod(shape)`` elements stored row-major from ``offset`` of each state's
     array."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    return {"start": list(start), "shape": list(shape), "numel": numel,
+    return {"start": list(start), "shape": list(shape), "numel": math.prod(shape),
             "states": {k: {"array": a, "offset": o} for k, (a, o) in states.items()}}
 
 
