@@ -1,12 +1,14 @@
 """Peak memory of dcp.save / dcp.load of a ZeroMuon state, run as its own process.
 
-``python dcp_memory.py DIR`` builds a model of N equal Muon matrices (the state is N times
+``python dcp_memory.py DIR [DEVICE]`` builds a model of N equal Muon matrices (the state is N times
 the largest parameter's), takes a step, then dcp.saves (torchtitan's flattened flow, see
 dcp_flow.py) and dcp.loads into a second optimizer that has taken a step too (so torch's
 helpers do not run their zero-gradient step, which allocates a gradient per parameter).
 Prints JSON: the growth of this process's peak RSS (VmHWM, reset through
 /proc/self/clear_refs before each call) over its RSS before the call, in bytes, and the
-state's size in bytes.
+state's size in bytes. DEVICE (default cpu) is where the model lives: on "cuda" the growth
+is still the host's (DCP's writer stages CUDA tensors in host memory; ours must not all at
+once), which tools/gpu_check.py measures.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ def _growth(fn) -> int:
     return _status("VmHWM") - before
 
 
-def _model() -> nn.Module:
+def _model(device: str = "cpu") -> nn.Module:
     m = nn.Module()
     g = torch.Generator().manual_seed(0)
     for i in range(MATRICES):
-        m.register_parameter(f"w{i}", nn.Parameter(torch.randn(ROWS, ROWS, generator=g)))
+        m.register_parameter(f"w{i}", nn.Parameter(torch.randn(ROWS, ROWS, generator=g).to(device)))
     return m
 
 
@@ -48,20 +50,20 @@ def _stepped(model, seed: int = 0):
     opt = ZeroMuon(model.named_parameters(), lr=0.02)
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return opt
 
 
-def main(path: str) -> None:
+def main(path: str, device: str = "cpu") -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import dcp_flow
     torch.set_num_threads(1)
-    model, model2 = _model(), _model()
+    model, model2 = _model(device), _model(device)
     opt, opt2 = _stepped(model, 1), _stepped(model2, 2)  # different states: the load shows
     # DCP's own first-call costs (imports, planner set-up) are not the state's
-    tiny = nn.Linear(2, 2)
+    tiny = nn.Linear(2, 2).to(device)
     dcp_flow.save(os.path.join(path, "warm"), tiny, _stepped(tiny), True)
     state_bytes = MATRICES * ROWS * ROWS * 4
     save = _growth(lambda: dcp_flow.save(os.path.join(path, "ck"), model, opt, True))
@@ -71,9 +73,9 @@ def main(path: str) -> None:
     same = all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
                for a, b in zip(opt.state_dict()["state"].values(),
                                opt2.state_dict()["state"].values()))
-    print(json.dumps({"save_growth": save, "load_growth": load, "state_bytes": state_bytes,
+    print(json.dumps({"device": device, "save_growth": save, "load_growth": load, "state_bytes": state_bytes,
                       "largest_param_state_bytes": ROWS * ROWS * 4, "differed_before": differ, "loaded_equal": same}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

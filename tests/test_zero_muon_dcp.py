@@ -130,6 +130,26 @@ def test_get_set_optimizer_state_dict_into_a_fresh_optimizer(tmp_path, flatten):
     opt2.close()
 
 
+def test_dcp_writer_with_several_threads(tmp_path):
+    """DCP's FileSystemWriter with thread_count=4 reads the store from four threads at once
+    (each writes its own files): the resumed optimizer's next steps are bitwise."""
+    import torch.distributed.checkpoint as dcp
+    model, ref, opt = _plain_run(str(tmp_path / "a"))
+    _train(model, ref, opt, range(2), 0, 1)
+    ck = str(tmp_path / "dcp")
+    dcp.save(dcp_flow.states(model, opt, True), storage_writer=dcp.FileSystemWriter(ck, thread_count=4))
+    assert len([f for f in os.listdir(ck) if f.endswith(".distcp")]) > 1  # threads did write
+    model2, _, opt2 = _plain_run(str(tmp_path / "b"), seed=7)
+    _train(model2, ref, opt2, range(1), 0, 1)
+    dcp.load(dcp_flow.states(model2, opt2, True), storage_reader=dcp.FileSystemReader(ck))
+    _train(model, ref, opt, range(2, 4), 0, 1)
+    _train(model2, ref, opt2, range(2, 4), 0, 1)
+    for (k, a), b in zip(_snapshot(model, opt).items(), _snapshot(model2, opt2).values()):
+        assert torch.equal(a, b), k
+    opt.close()
+    opt2.close()
+
+
 def test_optimizer_state_is_a_view_of_the_store(tmp_path):
     """optim.state lists each parameter with state and all its keys (what torch's helpers
     read) without holding tensors; values are read from the store when used."""
@@ -165,6 +185,40 @@ def test_a_state_dict_keeps_its_values_across_step_load_and_close(tmp_path):
     for i, entry in want["state"].items():
         for k, v in entry.items():
             assert torch.equal(sd["state"][i][k], v), (i, k)
+
+
+def test_dcp_is_handed_host_tensors_that_hold_no_bytes_whatever_the_state_device(tmp_path):
+    """DCP's writer copies a device tensor to host memory when it reaches it and keeps the
+    copy until the rank's file is written: on CUDA the whole state would sit in host memory.
+    So what DCP takes from a state tensor (``__get_tensor_shard__``) is a host StoreTensor,
+    still lazy, with the state's values; slices of it stay lazy on the host, and a load's
+    copy into it changes the optimizer's state. A StoreTensor on "meta" stands in here for
+    one on CUDA (this machine has none; tools/gpu_check.py measures the real one)."""
+    import io
+    from offload_engine.optim.lazy_state import StoreTensor
+    model, ref, opt = _plain_run(str(tmp_path / "a"))
+    _train(model, ref, opt, range(2), 0, 1)
+    mine = opt.state_dict()["state"][1]["momentum_buffer"]
+    want = mine.clone()
+    on_device = StoreTensor(mine._src, (), torch.device("meta"))
+    shard = on_device.__get_tensor_shard__(None)
+    assert isinstance(shard, StoreTensor) and shard.device.type == "cpu"
+    assert shard._src.data is None  # nothing read
+    assert shard.untyped_storage().size() == shard.nbytes  # DCP does not clone it
+    buf = io.BytesIO()
+    torch.save(shard, buf)  # what DCP's writer does with it
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue())), want)
+    rows = shard[1:3]
+    assert isinstance(rows, StoreTensor) and rows.device.type == "cpu"
+    assert torch.equal(rows, want[1:3])
+    earlier = opt.state_dict()["state"][1]["momentum_buffer"]
+    rows.copy_(torch.full_like(want[1:3], 7.0))  # what dcp.load does with it
+    expected = want.clone()
+    expected[1:3] = 7.0
+    assert torch.equal(mine, expected)  # rows is a view of it, as DCP's are of the state's
+    assert torch.equal(opt.state_dict()["state"][1]["momentum_buffer"], expected)
+    assert torch.equal(earlier, want)  # a state dict taken before the change keeps its values
+    opt.close()
 
 
 # -- memory ---------------------------------------------------------------------------------------

@@ -14,6 +14,11 @@ Sections, each independent (a failure is recorded with its error and the next on
   waiting for the store (``StepStats.store_io_wait_s``).
 - ``gpu_tier``: the store's GPU tier: an array homed on the GPU, acquired on CUDA, hits
   and the bytes it moved over PCIe (none).
+- ``dcp_memory``: ``dcp.save`` / ``dcp.load`` (torchtitan's flattened flow) of a CUDA model's
+  ZeroMuon state, 32 times its largest parameter's: the growth of the host's peak RSS
+  (tests/dcp_memory.py in its own process), which must stay a small part of the state.
+  DCP's writer keeps every tensor it wrote in host memory until the rank's file is written;
+  the state's lazy tensors hand it host tensors that hold no bytes.
 
 Without CUDA, ``parity`` and ``step`` run on the CPU at a small size (their CUDA halves are
 reported as skipped) so the script itself is exercised anywhere.
@@ -196,6 +201,21 @@ def check_gpu_tier(tmp: str) -> dict:
     return {"value_after_two_passes": value, "correct": value == 2.0, "stats": stats}
 
 
+def check_dcp_memory(tmp: str) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA (tests/test_zero_muon_dcp.py measures the CPU case)"}
+    import subprocess
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="131072")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "dcp_memory.py"),
+                          os.path.join(tmp, "dcp"), "cuda"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    m["bounded"] = all(m[k] < m["state_bytes"] // 4 for k in ("save_growth", "load_growth"))
+    return m
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", default=None, help="directory on the local disk (default: a temp dir)")
@@ -216,6 +236,7 @@ def main() -> int:
             "copies": section(check_copies, 512 * MiB),
             "step": section(check_step, device, tmp, layers, dim, steps),
             "gpu_tier": section(check_gpu_tier, tmp),
+            "dcp_memory": section(check_dcp_memory, tmp),
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

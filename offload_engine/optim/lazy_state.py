@@ -8,10 +8,10 @@ so whoever walks a state dict of them one tensor at a time (torch.distributed.ch
 holds one parameter's state at a time, never the whole state.
 
 DCP's planners ask each for its values through ``__get_tensor_shard__`` (the _Checkpointable
-protocol, which DTensor forwards to its local tensor); the answer is the StoreTensor itself,
-still lazy, because DCP's FileSystemWriter keeps every tensor it wrote until the rank's file
-is closed: ``torch.save`` of it reads the values (``__reduce_ex__``), and what DCP keeps
-holds no bytes. Slices and aliases of it stay lazy, so ``dcp.load`` can narrow one to a
+protocol, which DTensor forwards to its local tensor); the answer is a StoreTensor on the
+host, still lazy, because DCP's FileSystemWriter keeps every tensor it wrote until the
+rank's file is closed (and copies a device tensor to the host first): ``torch.save`` of it
+reads the values into host memory (``__reduce_ex__``), and what DCP keeps holds no bytes. Slices and aliases of it stay lazy, so ``dcp.load`` can narrow one to a
 chunk and ``copy_`` into it: an in-place operation on a current StoreTensor changes the
 optimizer's state, as on torch's own state tensors. It goes into a buffer with the array's
 values; one buffer per optimizer is out at a time: changing another array writes the
@@ -44,18 +44,21 @@ class Source:
     def __init__(self, opt, info, akey, shape):
         self.opt, self.info, self.akey, self.shape, self.data = opt, info, akey, shape, None
 
-    def read(self) -> torch.Tensor:
-        """The current values (this rank's part, in the parameter's local shape)."""
-        if self.data is not None:
-            return self.data
+    def read(self, device: torch.device | None = None) -> torch.Tensor:
+        """The current values (this rank's part, in the parameter's local shape), on
+        ``device`` (the optimizer's if None)."""
         views = self.opt._lazy
-        if views.pending is not None and views.pending[0] is self:
-            return views.pending[1]
-        if self.opt.store is None:
+        if self.data is not None:
+            values = self.data
+        elif views.pending is not None and views.pending[0] is self:
+            values = views.pending[1]
+        elif self.opt.store is None:
             raise RuntimeError(f"state {self.akey.kind.state_key!r} of parameter "
                                f"{self.info.name or self.info.index}: the optimizer was closed")
-        from .state_io import _read_array
-        return _read_array(self.opt, self.info, self.akey)
+        else:
+            from .state_io import _read_array
+            return _read_array(self.opt, self.info, self.akey, device)
+        return values if device is None else values.to(device)
 
     def materialize(self) -> None:
         if self.data is None:
@@ -72,6 +75,8 @@ class LazyViews:
         self.pending: list | None = None  # [Source, buffer, changed]
 
     def source(self, opt, info, akey, shape) -> Source:
+        # a change made through the buffer out is the state a new StoreTensor must show
+        self.flush()
         src = Source(opt, info, akey, tuple(shape))
         self.sources.add(src)
         self.by_array.setdefault((info.index, akey.name), weakref.WeakSet()).add(src)
@@ -127,7 +132,7 @@ def _narrowed(t: torch.Tensor, region) -> torch.Tensor:
 
 
 def _values(x):
-    return _narrowed(x._src.read(), x._region) if isinstance(x, StoreTensor) else x
+    return _narrowed(x._src.read(x.device), x._region) if isinstance(x, StoreTensor) else x
 
 
 _aten = torch.ops.aten
@@ -150,16 +155,17 @@ class StoreTensor(torch.Tensor):
     part, or a slice of it), read on use. See the module docstring."""
 
     @staticmethod
-    def __new__(cls, src: Source, region: tuple = ()):
+    def __new__(cls, src: Source, region: tuple = (), device: torch.device | None = None):
         shape = list(src.shape)
         for dim, _, length in region:
             shape[dim] = length
-        r = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=src.akey.dtype.torch,
-                                                device=src.opt.device, requires_grad=False)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=src.akey.dtype.torch,
+            device=src.opt.device if device is None else device, requires_grad=False)
         r._src, r._region = src, tuple(region)
         return r
 
-    def __init__(self, src: Source, region: tuple = ()):
+    def __init__(self, src: Source, region: tuple = (), device: torch.device | None = None):
         super().__init__()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -171,12 +177,12 @@ class StoreTensor(torch.Tensor):
         if isinstance(first, StoreTensor):
             src, region = first._src, first._region
             if func in _ALIASES or (func in _VIEWS and tuple(args[1]) == tuple(first.shape)):
-                return StoreTensor(src, region)  # still lazy
+                return StoreTensor(src, region, first.device)  # still lazy
             if func is _aten.slice.Tensor:
                 dim = (args[1] if len(args) > 1 else 0) % first.dim()
                 bounds = _slice_bounds(first.shape[dim], *(list(args[2:5]) + [None] * 3)[:3])
                 if bounds is not None:
-                    return StoreTensor(src, region + ((dim,) + bounds,))
+                    return StoreTensor(src, region + ((dim,) + bounds,), first.device)
             if func is _aten.is_pinned.default:
                 return False  # a pinned store buffer is the store's, never handed out
             if func._schema.is_mutable:
@@ -187,8 +193,14 @@ class StoreTensor(torch.Tensor):
         return func(*tree_map(_values, args), **tree_map(_values, kwargs))
 
     def __get_tensor_shard__(self, index) -> torch.Tensor:
-        """torch.distributed.checkpoint: this rank's values, still lazy (see the module)."""
-        return self
+        """torch.distributed.checkpoint: this rank's values, still lazy (see the module), on
+        the host. DCP's writer copies a CUDA tensor to host memory when it reaches it and
+        keeps the copy until the rank's file is written (the whole state, on CUDA); a host
+        StoreTensor is written as it is: ``torch.save`` reads its values from the store
+        straight into host memory, one tensor at a time. A load copies into it as into the
+        optimizer's own state (through the buffer on the optimizer's device)."""
+        return self if self.device.type == "cpu" else \
+            StoreTensor(self._src, self._region, torch.device("cpu"))
 
     def numpy(self, *, force: bool = False):
         return _values(self).numpy(force=force)

@@ -31,13 +31,18 @@ def _local_shape(opt, info) -> tuple[int, ...]:
     return info.local_shape(opt.rank if info.distributed else 0)
 
 
-def _read_array(opt, info, key) -> torch.Tensor:
-    """This rank's part of state array ``key`` (an ArrayKey) of ``info``, in its shape."""
+def _read_array(opt, info, key, device: torch.device | None = None) -> torch.Tensor:
+    """This rank's part of state array ``key`` (an ArrayKey) of ``info``, in its shape, on
+    ``device`` (the optimizer's if None). A host read of a host- or NVMe-home array comes
+    straight from the store's pinned buffer: no round trip through GPU memory."""
+    device = torch.device(opt.device if device is None else device)
+    name = opt.array_name(key.name)
+    # a GPU-home array is lent on the GPU only; its values come over afterwards
+    lend = opt.device if opt.store.arrays()[name].home == "gpu" else device
     bundle = opt.layout.bundle_of(info.index)
-    out = torch.zeros(bundle.sizes[info.index], dtype=key.dtype.torch, device=opt.device)
+    out = torch.zeros(bundle.sizes[info.index], dtype=key.dtype.torch, device=device)
     for j, seg in opt.layout.param_pieces(info.index):
-        h = opt.store.acquire(opt.array_name(key.name), bundle.rows[j].buckets[key.name],
-                              device=opt.device)
+        h = opt.store.acquire(name, bundle.rows[j].buckets[key.name], device=lend)
         try:
             out[seg.lo:seg.hi].copy_(h.tensor[seg.offset:seg.offset + seg.hi - seg.lo])
         finally:
