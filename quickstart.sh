@@ -15,6 +15,11 @@ if ! "$VPY" -c 'import offload_engine, pytest, tensorstore, transformers' >/dev/
   "$VPY" -c 'import torch' >/dev/null 2>&1 || "$VPY" -m pip install -q "torch==2.13.0"
   "$VPY" -m pip install -q -e '.[test]'
 fi
+# Byte-compile the package, as pip does for a regular install: an editable one is compiled
+# on first import only, and never where PYTHONDONTWRITEBYTECODE is set, and then every
+# command re-parses its ~160 modules (0.15 s of each offline command's 0.3 s start-up on
+# the 2-vCPU VM). Up to date, this is a stat per file.
+"$VPY" -m compileall -q offload_engine >/dev/null
 what=${1:-demo}
 shift || true
 case "$what" in
