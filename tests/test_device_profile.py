@@ -117,6 +117,23 @@ def test_pick_prefers_the_earlier_case_within_the_tie_margin():
     assert dp.pick(points, "write")["mode"] == "buffered"
 
 
+def test_buffered_wins_only_by_more_than_its_margin_and_the_probe_reports_cpu(small_probe, tmp_path):
+    """Buffered I/O costs several times the CPU of O_DIRECT: it is chosen only when it is
+    more than BUFFERED_MARGIN faster than every direct point; otherwise the best direct
+    point is, not the first one."""
+    def pt(mode, qd, gbps):
+        return {"mode": mode, "queue_depth": qd, "block_bytes": 4096, "read_gbps": gbps,
+                "write_gbps": gbps}
+    near = [pt("direct", 4, 0.7), pt("direct", 8, 0.9), pt("buffered", 4, 0.9 * (1 + dp.BUFFERED_MARGIN))]
+    assert dp.pick(near, "read") == {"mode": "direct", "queue_depth": 8, "block_bytes": 4096, "gbps": 0.9}
+    far = [pt("direct", 4, 0.7), pt("direct", 8, 0.9), pt("buffered", 4, 0.9 * (1 + dp.BUFFERED_MARGIN) + 0.01)]
+    assert dp.pick(far, "write")["mode"] == "buffered"
+    got = dp.probe(str(tmp_path))
+    assert got["passes"] == dp.PASSES
+    for point in got["points"]:
+        assert point["read_cpu_s_per_gb"] >= 0 and point["write_cpu_s_per_gb"] > 0
+
+
 # -- the store and the profile -------------------------------------------------------------------
 def _cached_profile(directory: str) -> None:
     """A profile in the cache for ``directory``: buffered reads QD 4, direct writes QD 2."""

@@ -48,6 +48,16 @@ CASES = tuple((mode, qd, bs) for mode in ("direct", "buffered")
 # within this fraction of the fastest, the earlier case of CASES wins (direct before
 # buffered: less CPU, no page cache; fewer requests in flight first): noise must not flip it
 TIE = 0.05
+# buffered I/O copies every byte through the page cache: 3-7x the CPU of O_DIRECT per byte
+# (the 2-vCPU VM, probe of 2026-12-02: writes 0.38-0.64 vs 0.06-0.17 CPU-s per GB, reads
+# 0.57-0.74 vs 0.08-0.17), CPU a training step needs. So buffered wins a direction only
+# when it is this much faster than the best direct point, as when the disk changed on
+# 2026-12-01 (buffered reads 0.93 GB/s against direct 0.58); the 10-25 % that buffered
+# writes gained in that day's probes is not worth 4x the CPU. Within it, the best direct
+# point is chosen.
+BUFFERED_MARGIN = 0.25
+PASSES = 2  # every case measured twice, the second pass in reverse order: a disk whose speed
+#             drifts during the probe favours neither the first cases nor the last
 MEMORY_FS = ("tmpfs", "ramfs")  # no device behind them: O_DIRECT there would only add a copy
 
 probes_run = 0  # probes run by this process (tests check that a cached profile is reused)
@@ -251,12 +261,14 @@ def forget_memo() -> None:
 
 
 # -- the probe ----------------------------------------------------------------------------
-def probe(path: str, *, size: int | None = None, cases=None, repeats: int = 1) -> dict:
+def probe(path: str, *, size: int | None = None, cases=None, passes: int | None = None) -> dict:
     """Measure ``cases`` (default ``CASES``) on a temporary file in directory ``path``
-    (removed after); the fastest case per direction, every point, and how long it took.
-    ``size``: bytes per case and direction (default ``PROBE_BYTES``, rounded down to whole
-    requests). Figures are GB/s (1e9 bytes/s). Memory file systems (tmpfs, ramfs) and those
-    that refuse O_DIRECT are measured, and chosen, buffered only."""
+    (removed after), ``passes`` times each (default ``PASSES``; every other pass in reverse
+    order); the choice per direction (``pick``), every point (mean GB/s and CPU seconds per
+    GB of this process), and how long it took. ``size``: bytes per case and direction
+    (default ``PROBE_BYTES``, rounded down to whole requests). Figures are GB/s (1e9
+    bytes/s). Memory file systems (tmpfs, ramfs) and those that refuse O_DIRECT are
+    measured, and chosen, buffered only."""
     global probes_run
     from .buffer_pool import BufferPool
     from .direct_probe import probe_direct
@@ -265,6 +277,7 @@ def probe(path: str, *, size: int | None = None, cases=None, repeats: int = 1) -
 
     t0 = time.monotonic()
     size = size or PROBE_BYTES
+    passes = max(1, passes or PASSES)
     cases = list(cases or CASES)
     request = min(REQUEST_BYTES, size)
     size = max(request, size // request * request)
@@ -277,25 +290,32 @@ def probe(path: str, *, size: int | None = None, cases=None, repeats: int = 1) -
         raise OSError(f"{path}: {free} bytes free, the probe needs {size + 64 * MiB}")
     workdir = tempfile.mkdtemp(prefix=".oe-io-probe-", dir=path)
     file = os.path.join(workdir, "data")
-    points = []
+    runs: dict[int, dict[str, list]] = {i: {"write": [], "read": []} for i in range(len(cases))}
     pool = BufferPool(request, pin=False)
     try:
         buf = pool.acquire(request)
         buf.bytes.view(-1)[:] = 0x5A  # not zeros: no file system shortcut
         with AsyncFileIO(threads=1, queue_depth=1, block_size=1 * MiB) as io0:
             io0.preallocate(file, size)
-        for mode, qd, bs in cases:
-            st = DirectionSettings(mode, qd, min(bs, request), "probe")
-            w, r = [], []
-            with AsyncFileIO(threads=qd, read=st, write=st) as io:
-                for _ in range(repeats):
-                    w.append(_timed(io, file, buf, size, request, write=True))
+        for n in range(passes):
+            order = range(len(cases)) if n % 2 == 0 else range(len(cases) - 1, -1, -1)
+            for i in order:
+                mode, qd, bs = cases[i]
+                st = DirectionSettings(mode, qd, min(bs, request), "probe")
+                with AsyncFileIO(threads=qd, read=st, write=st) as io:
+                    runs[i]["write"].append(_timed(io, file, buf, size, request, write=True))
                     evict([file])
-                    r.append(_timed(io, file, buf, size, request, write=False))
-            points.append({"mode": mode, "queue_depth": qd, "block_bytes": st.block_bytes,
-                           "write_gbps": round(size / statistics.median(w) / 1e9, 4),
-                           "read_gbps": round(size / statistics.median(r) / 1e9, 4)})
+                    runs[i]["read"].append(_timed(io, file, buf, size, request, write=False))
         buf.release()
+        points = []
+        for i, (mode, qd, bs) in enumerate(cases):
+            point = {"mode": mode, "queue_depth": qd, "block_bytes": min(bs, request)}
+            for op in ("write", "read"):
+                wall = statistics.mean(t for t, _cpu in runs[i][op])
+                cpu = statistics.mean(c for _t, c in runs[i][op])
+                point[f"{op}_gbps"] = round(size / wall / 1e9, 4)
+                point[f"{op}_cpu_s_per_gb"] = round(cpu / (size / 1e9), 4)
+            points.append(point)
     finally:
         pool.close()
         try:
@@ -305,7 +325,7 @@ def probe(path: str, *, size: int | None = None, cases=None, repeats: int = 1) -
     probes_run += 1
     out = {"format": FORMAT, "format_version": FORMAT_VERSION, "key": profile_key(path),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "bytes_per_case": size,
-           "request_bytes": request, "direct_supported": bool(direct_ok),
+           "request_bytes": request, "direct_supported": bool(direct_ok), "passes": passes,
            "probe_s": None, "points": points}
     for op in DIRECTIONS:
         out[op] = pick(points, op)
@@ -314,18 +334,30 @@ def probe(path: str, *, size: int | None = None, cases=None, repeats: int = 1) -
 
 
 def pick(points: list[dict], op: str) -> dict:
-    """The fastest point for ``op``; among points within ``TIE`` of it, the first listed."""
-    best = max(p[f"{op}_gbps"] for p in points)
-    for p in points:
-        if p[f"{op}_gbps"] >= (1 - TIE) * best:
+    """The point for ``op``: buffered points compete only when the fastest of them beats
+    every direct point by more than ``BUFFERED_MARGIN`` (they cost several times the CPU);
+    among the competing points, the first listed within ``TIE`` of the fastest."""
+    key = f"{op}_gbps"
+    direct = [p for p in points if p["mode"] == "direct"]
+    buffered = [p for p in points if p["mode"] != "direct"]
+    pool = points
+    if direct and buffered:
+        best_direct = max(p[key] for p in direct)
+        pool = buffered if max(p[key] for p in buffered) > (1 + BUFFERED_MARGIN) * best_direct \
+            else direct
+    best = max(p[key] for p in pool)
+    for p in pool:
+        if p[key] >= (1 - TIE) * best:
             return {"mode": p["mode"], "queue_depth": p["queue_depth"],
-                    "block_bytes": p["block_bytes"], "gbps": p[f"{op}_gbps"]}
+                    "block_bytes": p["block_bytes"], "gbps": p[key]}
     raise AssertionError("unreachable")
 
 
-def _timed(io, file: str, buf, size: int, request: int, write: bool) -> float:
-    """Seconds to move ``size`` bytes in ``request``-byte requests all submitted at once;
-    a write run ends when its bytes are on the device (fdatasync)."""
+def _timed(io, file: str, buf, size: int, request: int, write: bool) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) to move ``size`` bytes in
+    ``request``-byte requests all submitted at once; a write run ends when its bytes are
+    on the device (fdatasync)."""
+    c0 = time.process_time()
     t0 = time.perf_counter()
     futures = [io.write(file, off, buf, length=request) if write
                else io.read(file, off, buf, length=request) for off in range(0, size, request)]
@@ -333,4 +365,4 @@ def _timed(io, file: str, buf, size: int, request: int, write: bool) -> float:
         f.result()
     if write:
         io.sync(file).result()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
