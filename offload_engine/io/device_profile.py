@@ -49,12 +49,12 @@ CASES = tuple((mode, qd, bs) for mode in ("direct", "buffered")
 # buffered: less CPU, no page cache; fewer requests in flight first): noise must not flip it
 TIE = 0.05
 # buffered I/O copies every byte through the page cache: 3-7x the CPU of O_DIRECT per byte
-# (the 2-vCPU VM, probe of 2026-12-02: writes 0.38-0.64 vs 0.06-0.17 CPU-s per GB, reads
-# 0.57-0.74 vs 0.08-0.17), CPU a training step needs. So buffered wins a direction only
-# when it is this much faster than the best direct point, as when the disk changed on
-# 2026-12-01 (buffered reads 0.93 GB/s against direct 0.58); the 10-25 % that buffered
-# writes gained in that day's probes is not worth 4x the CPU. Within it, the best direct
-# point is chosen.
+# (the 2-vCPU VM, probes of 2026-12-02: writes 0.36-0.64 vs 0.06-0.17 CPU-s per GB, reads
+# 0.54-0.74 vs 0.07-0.17), CPU a training step needs. So buffered wins a direction only
+# when its typical point is this much faster than direct's, as when the disk changed on
+# 2026-12-01 (buffered reads 0.93 GB/s against direct 0.58); a few percent, or one
+# buffered case out of four that ran fast once (3.31 GB/s among 2.0-2.4), is not worth 4x
+# the CPU.
 BUFFERED_MARGIN = 0.25
 PASSES = 2  # every case measured twice, the second pass in reverse order: a disk whose speed
 #             drifts during the probe favours neither the first cases nor the last
@@ -334,16 +334,18 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
 
 
 def pick(points: list[dict], op: str) -> dict:
-    """The point for ``op``: buffered points compete only when the fastest of them beats
-    every direct point by more than ``BUFFERED_MARGIN`` (they cost several times the CPU);
-    among the competing points, the first listed within ``TIE`` of the fastest."""
+    """The point for ``op``. First the mode: buffered only when its points' median GB/s
+    beats the direct points' median by more than ``BUFFERED_MARGIN`` (it costs several
+    times the CPU; medians, so that one lucky case on a noisy disk does not decide). Then,
+    among that mode's points, the first listed within ``TIE`` of the fastest."""
     key = f"{op}_gbps"
     direct = [p for p in points if p["mode"] == "direct"]
     buffered = [p for p in points if p["mode"] != "direct"]
     pool = points
     if direct and buffered:
-        best_direct = max(p[key] for p in direct)
-        pool = buffered if max(p[key] for p in buffered) > (1 + BUFFERED_MARGIN) * best_direct \
+        typical = {m: statistics.median(p[key] for p in ps) for m, ps in (("direct", direct),
+                                                                            ("buffered", buffered))}
+        pool = buffered if typical["buffered"] > (1 + BUFFERED_MARGIN) * typical["direct"] \
             else direct
     best = max(p[key] for p in pool)
     for p in pool:
