@@ -96,6 +96,15 @@ def train(model, opt, sched, sampler, steps):
     return out
 
 
+def trained_checkpoint(tmp):
+    """A run of 2 steps saved at step 2 to ``tmp/ck``: (model, its open optimizer, ck)."""
+    model, opt, sched, sampler = make(tmp, "a")
+    train(model, opt, sched, sampler, 2)
+    ck = os.path.join(tmp, "ck")
+    save_checkpoint(ck, model, opt, 2)
+    return model, opt, ck
+
+
 def test_resume_with_scheduler_sampler_user_dict_and_rng_is_bitwise(tmp_path):
     tmp = str(tmp_path)
     model, opt, sched, sampler = make(tmp, "a")
@@ -196,10 +205,7 @@ def test_keep_last_keeps_the_newest_and_what_latest_names(tmp_path):
 
 def test_optimizer_only_and_model_only_loads(tmp_path):
     tmp = str(tmp_path)
-    model, opt, sched, sampler = make(tmp, "a")
-    train(model, opt, sched, sampler, 2)
-    ck = os.path.join(tmp, "ck")
-    save_checkpoint(ck, model, opt, 2)
+    model, opt, ck = trained_checkpoint(tmp)
     state = opt.state_dict()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     opt.close()
@@ -244,10 +250,7 @@ def test_other_optimizers_get_a_type_error_naming_zero_muon(tmp_path):
 
 def test_consolidate_writes_frozen_tied_and_buffers_once(tmp_path):
     tmp = str(tmp_path)
-    model, opt, sched, sampler = make(tmp, "a")
-    train(model, opt, sched, sampler, 2)
-    ck = os.path.join(tmp, "ck")
-    save_checkpoint(ck, model, opt, 2)
+    model, opt, ck = trained_checkpoint(tmp)
     opt.close()
     want = model.state_dict()
     out = os.path.join(tmp, "hf")

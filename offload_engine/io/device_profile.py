@@ -290,7 +290,7 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
         raise OSError(f"{path}: {free} bytes free, the probe needs {size + 64 * MiB}")
     workdir = tempfile.mkdtemp(prefix=".oe-io-probe-", dir=path)
     file = os.path.join(workdir, "data")
-    runs: dict[int, dict[str, list]] = {i: {"write": [], "read": []} for i in range(len(cases))}
+    runs = [{"write": [], "read": []} for _ in cases]  # per case: (wall, cpu) seconds per pass
     pool = BufferPool(request, pin=False)
     try:
         buf = pool.acquire(request)
@@ -343,10 +343,9 @@ def pick(points: list[dict], op: str) -> dict:
     buffered = [p for p in points if p["mode"] != "direct"]
     pool = points
     if direct and buffered:
-        typical = {m: statistics.median(p[key] for p in ps) for m, ps in (("direct", direct),
-                                                                            ("buffered", buffered))}
-        pool = buffered if typical["buffered"] > (1 + BUFFERED_MARGIN) * typical["direct"] \
-            else direct
+        typical_direct = statistics.median(p[key] for p in direct)
+        typical_buffered = statistics.median(p[key] for p in buffered)
+        pool = buffered if typical_buffered > (1 + BUFFERED_MARGIN) * typical_direct else direct
     best = max(p[key] for p in pool)
     for p in pool:
         if p[key] >= (1 - TIE) * best:

@@ -11,7 +11,8 @@ DCP's planners ask each for its values through ``__get_tensor_shard__`` (the _Ch
 protocol, which DTensor forwards to its local tensor); the answer is a StoreTensor on the
 host, still lazy, because DCP's FileSystemWriter keeps every tensor it wrote until the
 rank's file is closed (and copies a device tensor to the host first): ``torch.save`` of it
-reads the values into host memory (``__reduce_ex__``), and what DCP keeps holds no bytes. Slices and aliases of it stay lazy, so ``dcp.load`` can narrow one to a
+reads the values into host memory (``__reduce_ex__``), and what DCP keeps holds no bytes.
+Slices and aliases of it stay lazy, so ``dcp.load`` can narrow one to a
 chunk and ``copy_`` into it: an in-place operation on a current StoreTensor changes the
 optimizer's state, as on torch's own state tensors. It goes into a buffer with the array's
 values; one buffer per optimizer is out at a time: changing another array writes the
