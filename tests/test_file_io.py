@@ -322,3 +322,35 @@ def test_buffered_write_back_loop_does_not_grow_the_page_cache(tmp_path):
         assert io.stats.buffered_pieces > 0 and io.stats.direct_pieces == 0
     # written out and dropped piece by piece: at most a few pages in transit, never a file
     assert worst <= 64 << 10, f"{worst} bytes of the state stayed in the page cache"
+
+
+def test_buffered_read_caches_nothing_outside_its_range_when_the_kernel_ignores_willneed(
+        tmp_path, monkeypatch):
+    """WILLNEED is a hint the kernel may drop (under memory pressure); a piece whose pages are
+    then missing must not make the kernel read ahead past it (up to read_ahead_kb, 8 MiB on
+    some disks) into bytes no piece will drop, or a read of one range of a file leaves the
+    rest of the file cached."""
+    from offload_engine.io import syscalls
+    from offload_engine.io.device_profile import MEMORY_FS, mount_of
+    from offload_engine.io.page_cache import evict, resident_bytes
+
+    if mount_of(str(tmp_path))[1] in MEMORY_FS:
+        pytest.skip("tmpfs: the page cache is the file's only copy")
+    path = tmp_path / "state"
+    src = _pattern(8 << 20, 5)
+    with _io("direct", "direct") as io:
+        io.write(path, 0, src, sync=True).result()
+    evict([str(path)])
+    assert resident_bytes([str(path)]) == 0
+
+    announce = syscalls.fadvise
+    monkeypatch.setattr(syscalls, "fadvise", lambda fd, offset, length, advice: (
+        None if advice == os.POSIX_FADV_WILLNEED else announce(fd, offset, length, advice)))
+    # one piece in flight, so each piece's read is a miss that follows the previous one
+    with _io("buffered", "buffered", threads=1, queue_depth=1, block_size=256 << 10) as io:
+        out = torch.empty(1 << 20, dtype=torch.uint8)
+        io.read(path, 2 << 20, out).result()  # [2 MiB, 3 MiB) of an 8 MiB file
+        assert torch.equal(out, src[2 << 20:3 << 20])
+        assert io.stats.buffered_pieces == 4
+    cached = resident_bytes([str(path)])
+    assert cached == 0, f"{cached} bytes of {path} stayed cached after a buffered read of 1 MiB"

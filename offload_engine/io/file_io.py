@@ -13,8 +13,9 @@ aligned (address, offset and length multiples of 4096); a request that starts on
 its last piece cut at its last page boundary, so only a tail shorter than a page is buffered.
 The first refusal (EINVAL) in a directory switches that directory to buffered I/O, logged
 once. "buffered" mode goes through the page cache on purpose (where the device reads faster
-with kernel readahead): a read piece is announced first (POSIX_FADV_WILLNEED on its range,
-the descriptor marked SEQUENTIAL) and dropped after (DONTNEED); a written piece is written
+that way): a read piece is announced first (POSIX_FADV_WILLNEED: the kernel reads its range
+ahead in large requests; the descriptor is marked RANDOM so nothing beyond what is announced
+is read) and dropped after (DONTNEED); a written piece is written
 out (sync_file_range) and dropped, so the page cache never grows with the state. Every
 buffered piece, including the sub-page tails of direct mode, follows these rules. Settings
 may change while running (``set_settings``, used by the adaptive controller): pieces already
@@ -595,8 +596,14 @@ class AsyncFileIO:
             if direct and e.errno == errno.EINVAL:
                 raise _DirectRefused() from e
             raise FileIOError(e.errno, "open", entry.path) from e
-        if not direct:  # read ahead further on descriptors that serve buffered pieces
-            syscalls.fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if not direct:
+            # Every buffered read piece announces its own range (WILLNEED), so the kernel's
+            # heuristic readahead adds nothing but pages outside the piece: on a miss (the
+            # kernel may drop a WILLNEED under memory pressure) it reads on up to
+            # read_ahead_kb (8 MiB on some virtual disks, doubled by SEQUENTIAL) into ranges
+            # other pieces have already dropped, and those pages then stay cached. RANDOM
+            # turns the heuristic off for this descriptor; WILLNEED is unaffected.
+            syscalls.fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         with self._files_lock:
             if getattr(entry, attr) is None:
                 setattr(entry, attr, fd)
