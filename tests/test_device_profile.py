@@ -13,7 +13,7 @@ from offload_engine.io.settings import DEFAULT, DirectionSettings
 from offload_engine.store import TieredStore
 
 KiB = 1024
-TINY_CASES = (("direct", 1, 64 * KiB), ("buffered", 2, 64 * KiB))
+TINY_CASES = (("direct", 1, 64 * KiB), ("buffered", 2, 64 * KiB), ("direct", 2, 64 * KiB, 2))
 
 
 @pytest.fixture
@@ -41,6 +41,8 @@ def test_a_probe_is_cached_and_reused_and_refreshed_on_request(small_probe, tmp_
     for op in ("read", "write"):
         assert first[op]["mode"] in ("direct", "buffered")
         assert dp.settings_of(first, op).queue_depth in (1, 2)
+        assert dp.settings_of(first, op).streams in (1, 2)
+    assert sorted(p["streams"] for p in first["points"]) == [1, 1, 2]
     key = json.loads(open(file).read())["key"]
     assert set(key) == {"dev", "fs_type", "mount"}
 
@@ -82,6 +84,10 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored(small_probe, tmp_path, monke
     for text in ("{not json", json.dumps({"format": "other"}),
                  json.dumps({"format": dp.FORMAT, "format_version": dp.FORMAT_VERSION,
                              "read": {"mode": "sideways", "queue_depth": 1, "block_bytes": 4096},
+                             "write": {"mode": "direct", "queue_depth": 1, "block_bytes": 4096}}),
+                 # version 1 had no streams: probed again (here: probing off, the defaults)
+                 json.dumps({"format": dp.FORMAT, "format_version": 1,
+                             "read": {"mode": "direct", "queue_depth": 1, "block_bytes": 4096},
                              "write": {"mode": "direct", "queue_depth": 1, "block_bytes": 4096}})):
         with open(file, "w") as f:
             f.write(text)
@@ -127,10 +133,10 @@ def test_buffered_wins_only_by_more_than_its_margin_and_the_probe_reports_cpu(sm
     direct = pts("direct", [0.8, 0.9])  # median 0.85
     near = direct + pts("buffered", [1.0, 1.05])  # median 1.025: less than 25 % more
     assert dp.pick(near, "read") == {"mode": "direct", "queue_depth": 8, "block_bytes": 4096,
-                                     "gbps": 0.9}
+                                     "streams": 1, "gbps": 0.9}
     far = direct + pts("buffered", [1.1, 1.2])  # median 1.15: more than 25 % more
     assert dp.pick(far, "write") == {"mode": "buffered", "queue_depth": 8, "block_bytes": 4096,
-                                     "gbps": 1.2}
+                                     "streams": 1, "gbps": 1.2}
     # the writes of a real probe on the 2-vCPU VM (2026-12-02): one buffered case ran fast once
     seen = pts("direct", [2.19, 1.90, 2.27, 2.37]) + pts("buffered", [2.37, 2.02, 3.31, 2.11])
     assert dp.pick(seen, "write")["mode"] == "direct"
@@ -142,10 +148,12 @@ def test_buffered_wins_only_by_more_than_its_margin_and_the_probe_reports_cpu(sm
 
 # -- the store and the profile -------------------------------------------------------------------
 def _cached_profile(directory: str) -> None:
-    """A profile in the cache for ``directory``: buffered reads QD 4, direct writes QD 2."""
+    """A profile in the cache for ``directory``: buffered reads QD 4 from 2 streams, direct
+    writes QD 2 (a version-1 style entry without "streams": one stream)."""
     dp.save(directory, {
         "format": dp.FORMAT, "format_version": dp.FORMAT_VERSION, "key": dp.profile_key(directory),
-        "read": {"mode": "buffered", "queue_depth": 4, "block_bytes": 128 * KiB, "gbps": 1.0},
+        "read": {"mode": "buffered", "queue_depth": 4, "block_bytes": 128 * KiB, "streams": 2,
+                 "gbps": 1.0},
         "write": {"mode": "direct", "queue_depth": 2, "block_bytes": 256 * KiB, "gbps": 1.0},
         "points": []})
 
@@ -162,7 +170,9 @@ def test_the_store_uses_the_profile_and_says_so(small_probe, tmp_path, monkeypat
         io = s.io_settings()
         assert io["read"]["mode"] == "buffered" and io["read"]["queue_depth"] == 4
         assert io["read"]["block_bytes"] == 128 * KiB and io["read"]["source"] == "profile"
+        assert io["read"]["streams"] == 2 and s.io.settings("read").streams == 2
         assert io["write"]["mode"] == "direct" and io["write"]["queue_depth"] == 2
+        assert io["write"]["streams"] == 1
         assert io["profile"]["source"] == "cache"
         assert s.io.settings("read").mode == "buffered"  # what the I/O layer really uses
         s.register("a", torch.float32, 200_000)
@@ -186,9 +196,16 @@ def test_explicit_config_wins_over_the_profile(small_probe, tmp_path, monkeypatc
         assert io["read"]["mode"] == "direct" and io["read"]["queue_depth"] == 3
         assert io["read"]["source"] == "config"
         assert io["read"]["sources"] == {"mode": "config", "queue_depth": "config",
-                                         "block_bytes": "profile"}
+                                         "block_bytes": "profile", "streams": "profile"}
+        assert io["read"]["streams"] == 2
         assert io["write"]["mode"] == "direct" and io["write"]["queue_depth"] == 3
         assert io["write"]["sources"]["mode"] == "profile"
+    with _store(tmp_path, io_streams=5) as s:
+        io = s.io_settings()
+        assert io["read"]["streams"] == 5 and io["write"]["streams"] == 5
+        assert io["read"]["sources"]["streams"] == "config"
+        assert io["read"]["mode"] == "buffered"  # the rest still the profile's
+        assert s.io.settings("read").streams == 5
 
 
 def test_without_a_profile_the_store_says_default(tmp_path):
@@ -263,9 +280,9 @@ def test_inspect_stats_reads_with_the_profiles_choice_and_says_so(small_probe, t
     assert main(["inspect", str(tmp_path), "--stats", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["io"]["read"]["source"] == "default" and doc["io"]["read"]["mode"] == "direct"
-    _cached_profile(str(tmp_path))  # buffered reads, QD 4
+    _cached_profile(str(tmp_path))  # buffered reads, QD 4, 2 streams
     assert main(["inspect", str(tmp_path), "--stats", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["io"]["read"] == {"mode": "buffered", "queue_depth": 4,
-                                 "block_bytes": 128 * KiB, "source": "profile"}
+                                 "block_bytes": 128 * KiB, "source": "profile", "streams": 2}
     assert doc["stats"] and doc["bytes_read"] > 0

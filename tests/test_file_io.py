@@ -17,15 +17,20 @@ from offload_engine.io.settings import DirectionSettings
 from offload_engine import dtypes
 
 
-# every mode and every mix of modes per direction (buffered reads with direct writes, ...)
+# every mode and every mix of modes per direction (buffered reads with direct writes, ...),
+# and requests served several at once (streams)
 MODES = {"direct": ("direct", "direct"), "buffered": ("buffered", "buffered"),
-         "buffered-reads": ("buffered", "direct"), "buffered-writes": ("direct", "buffered")}
+         "buffered-reads": ("buffered", "direct"), "buffered-writes": ("direct", "buffered"),
+         "streams": ("direct", "buffered", 3)}
 
 
-def _io(read_mode: str = "direct", write_mode: str = "direct", **kw) -> AsyncFileIO:
+def _io(read_mode: str = "direct", write_mode: str = "direct", streams: int = 1,
+        **kw) -> AsyncFileIO:
     kw = {"threads": 3, "queue_depth": 2, "block_size": 64 << 10, **kw}
-    return AsyncFileIO(read=DirectionSettings(read_mode, kw["queue_depth"], kw["block_size"]),
-                       write=DirectionSettings(write_mode, kw["queue_depth"], kw["block_size"]),
+    return AsyncFileIO(read=DirectionSettings(read_mode, kw["queue_depth"], kw["block_size"],
+                                              "config", streams),
+                       write=DirectionSettings(write_mode, kw["queue_depth"], kw["block_size"],
+                                               "config", streams),
                        **kw)
 
 
@@ -354,3 +359,96 @@ def test_buffered_read_caches_nothing_outside_its_range_when_the_kernel_ignores_
         assert io.stats.buffered_pieces == 4
     cached = resident_bytes([str(path)])
     assert cached == 0, f"{cached} bytes of {path} stayed cached after a buffered read of 1 MiB"
+
+
+def _record_calls(monkeypatch, syscalls):
+    """Every preadv / pwritev / fdatasync the workers make, in order: (op, file name, offset)."""
+    calls = []
+    for name in ("preadv", "pwritev"):
+        real = getattr(syscalls, name)
+
+        def wrapped(fd, buffers, offset, path, real=real, name=name):
+            calls.append((name, os.path.basename(path), offset))
+            return real(fd, buffers, offset, path)
+        monkeypatch.setattr(syscalls, name, wrapped)
+    real_sync = syscalls.fdatasync
+    monkeypatch.setattr(syscalls, "fdatasync", lambda fd, path: (
+        calls.append(("fdatasync", os.path.basename(path), None)), real_sync(fd, path))[1])
+    return calls
+
+
+def _hold_file_named_gate(monkeypatch, syscalls, name: str):
+    """Make ``syscalls.<name>`` on a file named "gate" wait for the returned ``gate`` event
+    (``started`` is set when it begins): with one worker, everything queued meanwhile waits,
+    so the order the queue hands pieces out is what the recorded calls show."""
+    import threading
+
+    gate, started = threading.Event(), threading.Event()
+    real = getattr(syscalls, name)
+
+    def held(fd, buffers, offset, path):
+        if os.path.basename(path) == "gate":
+            started.set()
+            assert gate.wait(10)
+        return real(fd, buffers, offset, path)
+    monkeypatch.setattr(syscalls, name, held)
+    return gate, started
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3])
+def test_streams_take_one_piece_from_each_of_the_oldest_requests_in_turn(tmp_path, monkeypatch,
+                                                                         streams):
+    """With ``streams`` S, the pieces of the S oldest requests go out in turn, one from each
+    (several regions of the disk busy at once); a finished request's place goes to the next
+    one. S = 1 is plain request order. Bytes are the same either way."""
+    from offload_engine.io import syscalls
+
+    piece = 64 << 10
+    names = ["gate", "a", "b", "c"]
+    src = {n: _pattern(3 * piece, i) for i, n in enumerate(names)}
+    with _io() as io:
+        for n in names:
+            io.write(tmp_path / n, 0, src[n], sync=True).result()
+    calls = _record_calls(monkeypatch, syscalls)
+    gate, started = _hold_file_named_gate(monkeypatch, syscalls, "preadv")
+    with _io("direct", "direct", streams, threads=1, queue_depth=1, block_size=piece) as io:
+        out = {n: torch.empty(3 * piece, dtype=torch.uint8) for n in names}
+        first = io.read(tmp_path / "gate", 0, out["gate"], length=piece)
+        assert started.wait(10)  # the only worker is busy: a, b, c all wait in the queue
+        futures = [io.read(tmp_path / n, 0, out[n]) for n in "abc"]
+        gate.set()
+        first.result()
+        for f in futures:
+            f.result()
+    for n in "abc":
+        assert torch.equal(out[n], src[n])
+    order = [(name, off // piece) for op, name, off in calls if op == "preadv" and name != "gate"]
+    expected = {1: ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"],
+                2: ["a0", "b0", "a1", "b1", "a2", "b2", "c0", "c1", "c2"],
+                3: ["a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2"]}[streams]
+    assert [f"{n}{k}" for n, k in order] == expected
+
+
+def test_a_sync_starts_after_the_pieces_queued_before_it_and_before_those_after(tmp_path,
+                                                                                monkeypatch):
+    """Streams never let a sync jump ahead of writes queued before it, nor writes queued
+    after it jump ahead of the sync."""
+    from offload_engine.io import syscalls
+
+    piece = 64 << 10
+    calls = _record_calls(monkeypatch, syscalls)
+    gate, started = _hold_file_named_gate(monkeypatch, syscalls, "pwritev")
+    src = _pattern(2 * piece, 9)
+    with _io("direct", "direct", 4, threads=1, queue_depth=1, block_size=piece) as io:
+        first = io.write(tmp_path / "gate", 0, src, length=piece)
+        assert started.wait(10)
+        futures = [io.write(tmp_path / "a", 0, src), io.write(tmp_path / "b", 0, src),
+                   io.sync(tmp_path / "a"), io.write(tmp_path / "c", 0, src),
+                   io.write(tmp_path / "d", 0, src)]
+        gate.set()
+        first.result()
+        for f in futures:
+            f.result()
+    order = [f"{name}{'' if off is None else off // piece}" for op, name, off in calls
+             if name != "gate"]
+    assert order == ["a0", "b0", "a1", "b1", "a", "c0", "d0", "c1", "d1"]

@@ -472,11 +472,11 @@ op = st.one_of(
 )
 
 
-# (read mode, write mode) per store; "switching" changes both at every step, as the adaptive
-# controller may (io/adaptive.py): the bytes must not care
+# (read mode, write mode[, streams]) per store; "switching" changes modes, queue depths and
+# streams at every step, as the adaptive controller may (io/adaptive.py): the bytes must not care
 IO_MODES = {"direct": ("direct", "direct"), "buffered": ("buffered", "buffered"),
             "buffered-reads": ("buffered", "direct"), "buffered-writes": ("direct", "buffered"),
-            "switching": ("direct", "buffered")}
+            "switching": ("direct", "buffered"), "streams": ("direct", "buffered", 3)}
 
 
 def _switch_modes(s) -> None:
@@ -486,18 +486,20 @@ def _switch_modes(s) -> None:
         now = s.io.settings(op)
         flip = "buffered" if now.mode == "direct" else "direct"
         s.set_io_settings(op, DirectionSettings(flip, 1 + now.queue_depth % 3,
-                                                now.block_bytes, "adaptive"))
+                                                now.block_bytes, "adaptive", 1 + now.streams % 3))
 
 
 @pytest.mark.parametrize("io_mode", sorted(IO_MODES))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=60), budget=st.integers(4, 7), depth=st.integers(0, 3))
 def test_random_operations_match_an_in_memory_model(io_mode, ops, budget, depth):
-    read_mode, write_mode = IO_MODES[io_mode]
+    read_mode, write_mode, *streams = IO_MODES[io_mode]
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
         s = make_store(d, cpu_budget=budget * B, prefetch_depth=depth, acquire_timeout_s=5,
-                       read_mode=read_mode, write_mode=write_mode)
+                       read_mode=read_mode, write_mode=write_mode,
+                       **({"io_streams": streams[0]} if streams else {}))
         assert s.io.settings("read").mode == read_mode
+        assert s.io.settings("write").streams == (streams[0] if streams else 1)
         model = {}
         for name, (dtype, numel, home) in ARRAYS.items():
             s.register(name, dtype, numel, home=home)

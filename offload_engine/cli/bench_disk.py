@@ -136,14 +136,16 @@ def refresh_profile(args) -> int:
     lines = [f"I/O profile of {args.path} ({prof['key']['fs_type']} on device "
              f"{prof['key']['dev']}, mounted at {prof['key']['mount']}): "
              f"{format_bytes(prof['bytes_per_case'])} per case, {prof['probe_s']:.1f} s",
-             f"{'mode':>9} {'depth':>6} {'block':>10} {'write GB/s':>11} {'read GB/s':>10}"]
+             f"{'mode':>9} {'depth':>6} {'block':>10} {'streams':>8} {'write GB/s':>11} "
+             f"{'read GB/s':>10}"]
     for p in prof["points"]:
         lines.append(f"{p['mode']:>9} {p['queue_depth']:>6} {format_bytes(p['block_bytes']):>10} "
-                     f"{p['write_gbps']:>11.2f} {p['read_gbps']:>10.2f}")
+                     f"{p.get('streams', 1):>8} {p['write_gbps']:>11.2f} {p['read_gbps']:>10.2f}")
     for op in ("read", "write"):
         c = prof[op]
         lines.append(f"{op}: {c['mode']}, queue depth {c['queue_depth']}, block "
-                     f"{format_bytes(c['block_bytes'])} ({c['gbps']:.2f} GB/s)")
+                     f"{format_bytes(c['block_bytes'])}, {c.get('streams', 1)} stream(s) "
+                     f"({c['gbps']:.2f} GB/s)")
     lines.append(f"saved to {prof['file']}" if prof.get("file") else
                  "not saved: the cache directory is not writable")
     print("\n".join(lines))

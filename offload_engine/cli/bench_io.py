@@ -5,14 +5,16 @@ Each run writes SIZE bytes and reads them back with every method, the page cache
 
 - engine: a 1-D float32 ``FlatArray`` (zarr v3, CHUNK bytes per chunk file) written from and
   read into a ring of reusable ``BufferPool`` buffers through ``AsyncFileIO`` with the
-  settings the store would use: per direction the device profile's mode, queue depth and
-  block size (io/device_profile.py; probed once and cached), unless ``--read-mode``,
-  ``--write-mode``, ``--queue-depth`` or ``--block-size`` say otherwise. The array is
+  settings the store would use: per direction the device profile's mode, queue depth,
+  block size and streams (io/device_profile.py; probed once and cached), unless
+  ``--read-mode``, ``--write-mode``, ``--queue-depth``, ``--block-size`` or ``--streams``
+  say otherwise; the ring holds enough chunks that every stream has one to serve. The array is
   created and preallocated once, untimed (as fio lays out its file before it starts); each
   write run overwrites it in place and its time includes ``fdatasync`` of every chunk file.
 - fio (``--ioengine=libaio --direct=1``, the engine's block size and queue depth of that
-  direction, ``--end_fsync=1`` on writes, which fio counts in its runtime) on one file of
-  SIZE bytes, and fio buffered (``--ioengine=psync --direct=0``, same block size, the page
+  direction, with the engine's streams as that many jobs each on its own part of the file
+  at queue depth / streams, ``--end_fsync=1`` on writes, which fio counts in its runtime)
+  on one file of SIZE bytes, and fio buffered (``--ioengine=psync --direct=0``, same block size, the page
   cache evicted before reads, ``--end_fsync=1`` on writes); where fio is not installed,
   ``odirect_loop``: ``os.pwritev``/``os.preadv`` in QD threads on one O_DIRECT
   descriptor, with aligned mmap buffers.
@@ -64,6 +66,7 @@ class BenchConfig:
     size: int = 2 << 30
     block_size: int | None = None  # None: the device profile's, per direction
     queue_depth: int | None = None
+    streams: int | None = None  # None: the device profile's, per direction
     chunk_size: int = 64 * MiB
     runs: int = 3
     baseline: str = "auto"  # "auto" | "fio" | "odirect_loop"
@@ -108,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser, *, size_default: str = "2GiB",
                         "profile's, per direction)")
     p.add_argument("--queue-depth", default=None, type=positive_int, metavar="N",
                    help="requests in flight (default: the device profile's, per direction)")
+    p.add_argument("--streams", default=None, type=positive_int, metavar="N",
+                   help="requests (chunk files) served at once, one piece from each in turn "
+                        "(default: the device profile's, per direction)")
     p.add_argument("--read-mode", choices=("auto", "direct", "buffered"), default="auto",
                    help="engine reads: O_DIRECT, buffered, or the profile's choice (auto)")
     p.add_argument("--write-mode", choices=("auto", "direct", "buffered"), default="auto",
@@ -130,8 +136,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Write SIZE bytes through the engine (fsync counted) and read them back "
                     "with the page cache evicted, with the I/O settings the store would use "
                     "(the device profile's unless flags say otherwise); move the same bytes "
-                    "with fio O_DIRECT at the same block size and queue depth and with fio "
-                    "buffered; read the same zarr array with zarr-python and tensorstore. "
+                    "with fio O_DIRECT at the same block size, queue depth and streams and "
+                    "with fio buffered; read the same zarr array with zarr-python and tensorstore. "
                     "Prints median GB/s per method, the best peer per direction and the "
                     "engine's ratios.")
     add_arguments(p)
@@ -147,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
 def config_from_args(args: argparse.Namespace, **overrides) -> BenchConfig:
     values = dict(path=args.path, size=args.size, block_size=args.block_size,
-                  queue_depth=args.queue_depth, chunk_size=args.chunk_size, runs=args.runs,
+                  queue_depth=args.queue_depth, streams=getattr(args, "streams", None),
+                  chunk_size=args.chunk_size, runs=args.runs,
                   baseline=getattr(args, "baseline", "auto"), keep=getattr(args, "keep", False),
                   read_mode=getattr(args, "read_mode", "auto"),
                   write_mode=getattr(args, "write_mode", "auto"))
@@ -197,6 +204,8 @@ def check_config(cfg: BenchConfig) -> None:
                          f"({cfg.block_size} bytes)")
     if cfg.runs < 1 or (cfg.queue_depth is not None and cfg.queue_depth < 1):
         raise BenchError("--runs and --queue-depth must be at least 1")
+    if cfg.streams is not None and not 1 <= cfg.streams <= 64:
+        raise BenchError(f"--streams must be between 1 and 64, got {cfg.streams}")
 
 
 def engine_settings(cfg: BenchConfig) -> tuple[dict, dict]:
@@ -212,6 +221,8 @@ def engine_settings(cfg: BenchConfig) -> tuple[dict, dict]:
         given["queue_depth"] = cfg.queue_depth
     if cfg.block_size is not None:
         given["block_size"] = cfg.block_size
+    if cfg.streams is not None:
+        given["io_streams"] = cfg.streams
     choice = resolve(StoreConfig(**given), os.path.abspath(cfg.path))
     out = {}
     for op in ("read", "write"):
@@ -282,12 +293,12 @@ def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workd
         benches = [("engine", engine)]
         if baseline == "fio":
             base = FioBench(os.path.join(workdir, "fio.dat"), cfg.size,
-                            {"read": (rd.block_bytes, rd.queue_depth),
-                             "write": (wr.block_bytes, wr.queue_depth)}, direct_ok)
+                            {"read": (rd.block_bytes, rd.queue_depth, rd.streams),
+                             "write": (wr.block_bytes, wr.queue_depth, wr.streams)}, direct_ok)
             benches.append((baseline, base))
             benches.append(("fio_buffered", FioBench(
                 os.path.join(workdir, "fio_buffered.dat"), cfg.size,
-                {"read": (rd.block_bytes, 1), "write": (wr.block_bytes, 1)}, False)))
+                {"read": (rd.block_bytes, 1, 1), "write": (wr.block_bytes, 1, 1)}, False)))
         else:
             base = ODirectLoopBench(os.path.join(workdir, "odirect_loop.dat"), cfg.size,
                                     block_size, qd, direct_ok)
@@ -532,7 +543,8 @@ def format_table(result: dict) -> str:
         if column in io:
             st = io[column]
             lines.append(f"engine {column}: {st['mode']}, queue depth {st['queue_depth']}, "
-                         f"block {format_bytes(st['block_bytes'])} (from {st['source']})")
+                         f"block {format_bytes(st['block_bytes'])}, {st.get('streams', 1)} "
+                         f"stream(s) (from {st['source']})")
     if result["fio_args"]:
         lines.append("")
         for rw in ("write", "read"):

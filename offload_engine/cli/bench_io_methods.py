@@ -52,7 +52,8 @@ class EngineBench:
 
     Chunk i is written from, and read into, ring slot i % nslots. There are enough slots
     that queue-depth pieces are always queued at AsyncFileIO while the oldest chunk's
-    request completes: ceil(QD * piece / chunk) + 1 (at least 2, at most one per chunk).
+    request completes, and that every stream has a request to serve: the larger of
+    ceil(QD * piece / chunk) + 1 and streams + 1 (at least 2, at most one per chunk).
     """
 
     def __init__(self, array: FlatArray, io: AsyncFileIO, block_size: int):
@@ -60,7 +61,9 @@ class EngineBench:
         self.io = io
         chunk = array.chunk_bytes
         piece = min(block_size, chunk)
-        self.nslots = min(array.nchunks, max(2, math.ceil(io.queue_depth * piece / chunk) + 1))
+        streams = max(io.settings(op).streams for op in ("read", "write"))
+        self.nslots = min(array.nchunks, max(2, math.ceil(io.queue_depth * piece / chunk) + 1,
+                                             streams + 1))
         self.pool = BufferPool(self.nslots * chunk)
         self.ring = [self.pool.acquire(chunk) for _ in range(self.nslots)]
         for slot, buf in enumerate(self.ring):
@@ -75,9 +78,10 @@ class EngineBench:
         return (f"FlatArray float32, {a.nchunks} chunk file(s) of {format_bytes(a.chunk_bytes)}, "
                 f"preallocated once and overwritten in place; ring of {self.nslots} pooled "
                 f"buffers; AsyncFileIO reads {rd.mode} QD {rd.queue_depth} pieces of "
-                f"{format_bytes(rd.block_bytes)}, writes {wr.mode} QD {wr.queue_depth} pieces "
-                f"of {format_bytes(wr.block_bytes)} ({self.io.threads} threads); write time "
-                f"includes fdatasync of every chunk file")
+                f"{format_bytes(rd.block_bytes)} from {rd.streams} chunk(s) at once, writes "
+                f"{wr.mode} QD {wr.queue_depth} pieces of {format_bytes(wr.block_bytes)} to "
+                f"{wr.streams} at once ({self.io.threads} threads); write time includes "
+                f"fdatasync of every chunk file")
 
     def expected_chunk(self, i: int) -> np.ndarray:
         """The bytes chunk ``i`` holds after a write run (edge chunk: its leading part)."""
@@ -138,23 +142,32 @@ class EngineBench:
 
 
 class FioBench:
-    """fio, one job on one file: with ``direct``, libaio at the engine's queue depth and
-    block size of each direction; without, psync through the page cache (kernel readahead)
-    at the same block size. ``shape``: {"read": (block bytes, queue depth), "write": ...}."""
+    """fio on one file: with ``direct``, libaio at the engine's queue depth, block size and
+    streams of each direction (``streams`` jobs, each on its own 1/streams of the file at
+    queue depth / streams, as the engine serves that many chunk files at once); without,
+    one psync job through the page cache (kernel readahead) at the same block size.
+    ``shape``: {"read": (block bytes, queue depth, streams), "write": ...}."""
 
     def __init__(self, path: str, size: int, shape: dict, direct: bool):
         self.path = path
         self.size = size
         self.resident = 0
         engine = "--ioengine=libaio" if direct else "--ioengine=psync"
-        self.common = [f"--filename={path}", f"--size={size}", f"--direct={int(direct)}",
+        self.common = [f"--filename={path}", f"--direct={int(direct)}",
                        engine, "--output-format=json"]
         self.args = {}
         for rw in ("write", "read"):
-            bs, qd = shape[rw]
+            bs, qd, streams = shape[rw]
+            if not direct or size % (streams * bs):
+                streams = 1  # regions must hold whole blocks
+            jobs = [f"--size={size}"]
+            if streams > 1:
+                jobs = [f"--numjobs={streams}", f"--offset_increment={size // streams}",
+                        f"--size={size // streams}", "--group_reporting"]
             extra = ["--end_fsync=1"] if rw == "write" else []
-            self.args[rw] = ["fio", f"--name={rw}", *self.common, f"--bs={bs}",
-                             f"--iodepth={qd if direct else 1}", f"--rw={rw}", *extra]
+            depth = max(1, qd // streams) if direct else 1
+            self.args[rw] = ["fio", f"--name={rw}", *self.common, *jobs, f"--bs={bs}",
+                             f"--iodepth={depth}", f"--rw={rw}", *extra]
 
     def describe(self) -> str:
         return ("fio " + " | ".join(" ".join(a for a in self.args[rw][2:]

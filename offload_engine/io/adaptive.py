@@ -92,19 +92,20 @@ class AdaptiveIO:
 
 
 def _same(a: DirectionSettings, b: DirectionSettings) -> bool:
-    return (a.mode, a.queue_depth, a.block_bytes) == (b.mode, b.queue_depth, b.block_bytes)
+    return a.shape() == b.shape()
 
 
 def candidates_from(profile: dict, op: str, chosen: DirectionSettings, fixed: set[str],
                     limit: int = 4) -> list[DirectionSettings]:
     """``chosen`` first, then up to ``limit - 1`` other points the profile's probe measured
     for ``op`` (fastest first), keeping the fields in ``fixed`` ("mode", "queue_depth",
-    "block_bytes") as ``chosen`` has them; without measured points, ``chosen`` in the other
+    "block_bytes", "streams") as ``chosen`` has them; without measured points, ``chosen`` in the other
     mode (unless the mode is fixed)."""
     out = [chosen]
     points = sorted(profile.get("points") or [], key=lambda p: -p.get(f"{op}_gbps", 0))
     for p in points:
-        c = DirectionSettings(p["mode"], int(p["queue_depth"]), int(p["block_bytes"]), "adaptive")
+        c = DirectionSettings(p["mode"], int(p["queue_depth"]), int(p["block_bytes"]), "adaptive",
+                              int(p.get("streams", 1)))
         c = c.with_(**{k: getattr(chosen, k) for k in fixed})
         if not any(_same(c, o) for o in out):
             out.append(c)

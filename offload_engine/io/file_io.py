@@ -2,7 +2,9 @@
 
 Both calls release the GIL, so N threads keep N requests in flight at the device. A request
 is cut into ``block_size`` pieces; pieces run on ``threads`` worker threads with at most
-``queue_depth`` in flight. Each request returns one ``IOFuture``: ``.result()`` from a
+``queue_depth`` in flight, taken in turn from the oldest ``streams`` requests of their
+direction (one piece from each: several regions of the disk busy at once; with 1, requests
+are served in order). A sync waits for its turn: no piece queued after it starts before it. Each request returns one ``IOFuture``: ``.result()`` from a
 thread, ``await`` from asyncio. Every piece loops until all of its bytes moved (Linux moves
 at most 2,147,479,552 bytes per call); a read that meets end of file first is an error that
 names the file.
@@ -171,8 +173,12 @@ class AsyncFileIO:
         self._files: collections.OrderedDict[str, _OpenFile] = collections.OrderedDict()
         self._files_lock = threading.Lock()
         self._direct_ok: dict[str, bool] = {}  # per directory
-        # one queue and one in-flight count per direction, each bounded by its queue depth
+        # per direction: requests waiting, the ones being served (at most `streams`, one
+        # piece from each in turn), the next one's index, and the pieces in flight (at most
+        # the queue depth)
         self._queues = {op: collections.deque() for op in DIRECTIONS}
+        self._serving = {op: [] for op in DIRECTIONS}
+        self._cursor = {op: 0 for op in DIRECTIONS}
         self._inflight = {op: 0 for op in DIRECTIONS}
         self._turn = 0
         self._queue_cv = threading.Condition()
@@ -230,7 +236,7 @@ class AsyncFileIO:
         path = os.fspath(path)
         fut = IOFuture()
         fut.set_running_or_notify_cancel()
-        self._enqueue("write", ("sync", path, fut))
+        self._enqueue("write", ("sync", path, fut), 1)
         return fut
 
     def preallocate(self, path: str | os.PathLike, nbytes: int) -> None:
@@ -339,8 +345,7 @@ class AsyncFileIO:
             self._outstanding[op] += 1
             if self._outstanding[op] == 1:
                 self._busy_since[op] = time.monotonic()
-        for start, length in pieces:
-            self._enqueue(op, ("piece", req, start, length))
+        self._enqueue(op, ("pieces", req, collections.deque(pieces)), len(pieces))
         return fut
 
     def _request_done(self, op: str) -> None:
@@ -369,21 +374,51 @@ class AsyncFileIO:
             pieces[-1:] = [(start, whole), (start + whole, length - whole)]
         return pieces
 
-    def _enqueue(self, op: str, item) -> None:
+    def _enqueue(self, op: str, entry, nitems: int) -> None:
+        """Queue a request's pieces (``("pieces", req, deque of (start, length))``) or a
+        sync (``("sync", path, future)``); wake a worker per item, up to all of them."""
         with self._queue_cv:
-            self._queues[op].append(item)
-            self._queue_cv.notify()
+            self._queues[op].append(entry)
+            self._queue_cv.notify(min(nitems, self.threads))
 
     def _take(self):
-        """The next item of a direction with room under its queue depth, the directions
-        taken in turn; (op, item) or None. Called with ``_queue_cv`` held."""
+        """The next item of a direction with work and room under its queue depth, the
+        directions taken in turn; (op, item) or None. Called with ``_queue_cv`` held."""
         for k in range(len(DIRECTIONS)):
             op = DIRECTIONS[(self._turn + k) % len(DIRECTIONS)]
-            if self._queues[op] and self._inflight[op] < self._settings[op].queue_depth:
+            if ((self._serving[op] or self._queues[op])
+                    and self._inflight[op] < self._settings[op].queue_depth):
                 self._turn = (self._turn + k + 1) % len(DIRECTIONS)
                 self._inflight[op] += 1
-                return op, self._queues[op].popleft()
+                return op, self._next_item(op)
         return None
+
+    def _next_item(self, op: str):
+        """One piece from each request being served in turn (``("piece", req, start,
+        length)``), or a sync (``("sync", path, future)``). Requests join the served ones in
+        order, up to ``streams`` of them; a sync joins only when none is being served and
+        none joins while it is, so it starts after every piece queued before it and before
+        any queued after it. Called with ``_queue_cv`` held."""
+        serving, waiting = self._serving[op], self._queues[op]
+        streams = self._settings[op].streams
+        while waiting and len(serving) < streams:
+            if serving and (serving[-1][0] == "sync" or waiting[0][0] == "sync"):
+                break
+            serving.append(waiting.popleft())
+        i = self._cursor[op] % len(serving)
+        entry = serving[i]
+        if entry[0] == "sync":
+            del serving[i]
+            self._cursor[op] = i
+            return entry
+        _, req, pieces = entry
+        start, length = pieces.popleft()
+        if pieces:
+            self._cursor[op] = i + 1
+        else:  # the request's last piece: the next request takes its place in the turn
+            del serving[i]
+            self._cursor[op] = i
+        return "piece", req, start, length
 
     def _work(self) -> None:
         while True:
@@ -392,7 +427,8 @@ class AsyncFileIO:
                     taken = self._take()
                     if taken is not None:
                         break
-                    if self._closed and not any(self._queues.values()):
+                    if self._closed and not any(self._queues.values()) \
+                            and not any(self._serving.values()):
                         return
                     self._queue_cv.wait()
             op, item = taken

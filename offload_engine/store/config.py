@@ -37,13 +37,16 @@ class StoreConfig(BaseModel):
         "(docs/store.md, I/O settings), else this default."))
     block_size: Bytes = Field(8 * MiB, description=(
         "Bytes per I/O piece; multiple of 4096; when not set: the device profile's choice."))
+    io_streams: int = Field(1, ge=1, le=64, description=(
+        "Requests served at once per direction, one piece from each in turn (several "
+        "regions of the disk busy at once); when not set: the device profile's choice."))
     read_mode: Literal["auto", "direct", "buffered"] = Field("auto", description=(
         "How buckets are read: O_DIRECT, buffered with readahead hints, or 'auto' (the "
         "device profile's choice)."))
     write_mode: Literal["auto", "direct", "buffered"] = Field("auto", description=(
         "How buckets are written: O_DIRECT, buffered with write-out and DONTNEED, or 'auto'."))
     adaptive_io: bool = Field(True, description=(
-        "Step mode, queue depth and block size within the profile's measured points when "
+        "Step mode, queue depth, block size and streams within the profile's measured points when "
         "the achieved GB/s of a direction drops (fields set in this config stay fixed)."))
     prefetch_depth: int = Field(2, ge=0, le=1024, description="Buckets read ahead of use.")
     alternate_order: bool = Field(True, description=(

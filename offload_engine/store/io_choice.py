@@ -20,10 +20,11 @@ def resolve(cfg: StoreConfig, directory: str | None) -> dict:
     "controllers": {op: AdaptiveIO}}`` for a store whose files live under ``directory``
     (None: no NVMe tier, no profile needed)."""
     explicit = cfg.model_fields_set
-    fixed_fields = {f for f, key in (("queue_depth", "queue_depth"), ("block_bytes", "block_size"))
-                    if key in explicit}
+    config_key = {"queue_depth": "queue_depth", "block_bytes": "block_size",
+                  "streams": "io_streams"}
+    fixed_fields = {f for f, key in config_key.items() if key in explicit}
     need_profile = directory is not None and (
-        "auto" in (cfg.read_mode, cfg.write_mode) or len(fixed_fields) < 2)
+        "auto" in (cfg.read_mode, cfg.write_mode) or len(fixed_fields) < len(config_key))
     profile = device_profile.choose(directory) if need_profile else device_profile.default_profile()
     psource = "profile" if profile["source"] in ("cache", "probe") else "default"
     out, report, controllers = {}, {}, {}
@@ -31,21 +32,21 @@ def resolve(cfg: StoreConfig, directory: str | None) -> dict:
         chosen = device_profile.settings_of(profile, op, psource)
         mode_key = f"{op}_mode"
         fixed = set(fixed_fields)
-        sources = {"mode": psource, "queue_depth": psource, "block_bytes": psource}
+        sources = {"mode": psource, "queue_depth": psource, "block_bytes": psource,
+                   "streams": psource}
         values = {"mode": chosen.mode, "queue_depth": chosen.queue_depth,
-                  "block_bytes": chosen.block_bytes}
+                  "block_bytes": chosen.block_bytes, "streams": chosen.streams}
         if getattr(cfg, mode_key) != "auto":
             values["mode"], sources["mode"] = getattr(cfg, mode_key), "config"
             fixed.add("mode")
-        if "queue_depth" in fixed_fields:
-            values["queue_depth"], sources["queue_depth"] = cfg.queue_depth, "config"
-        if "block_bytes" in fixed_fields:
-            values["block_bytes"], sources["block_bytes"] = cfg.block_size, "config"
+        for f in fixed_fields:
+            values[f], sources[f] = getattr(cfg, config_key[f]), "config"
         source = "config" if "config" in sources.values() else psource
-        st = DirectionSettings(values["mode"], values["queue_depth"], values["block_bytes"], source)
+        st = DirectionSettings(values["mode"], values["queue_depth"], values["block_bytes"], source,
+                               values["streams"])
         out[op] = st
         report[op] = {**{k: v for k, v in st.as_dict().items()}, "sources": sources}
-        if cfg.adaptive_io and directory is not None and len(fixed) < 3:
+        if cfg.adaptive_io and directory is not None and len(fixed) < len(config_key) + 1:
             cands = candidates_from(profile if psource == "profile" else {}, op, st, fixed)
             if len(cands) > 1:
                 controllers[op] = AdaptiveIO(cands, window_bytes=ADAPT_WINDOW_BYTES)
@@ -62,5 +63,4 @@ def resolve(cfg: StoreConfig, directory: str | None) -> dict:
 
 
 def describe_change(op: str, old: DirectionSettings, new: DirectionSettings, why: str) -> str:
-    return (f"adaptive I/O: {op} {old.mode} QD{old.queue_depth} {old.block_bytes >> 10} KiB -> "
-            f"{new.mode} QD{new.queue_depth} {new.block_bytes >> 10} KiB ({why})")
+    return f"adaptive I/O: {op} {old.describe()} -> {new.describe()} ({why})"

@@ -718,11 +718,12 @@ class TieredStore:
         self.io.set_settings(op, settings)
         self._io_report[op] = {**settings.as_dict(),
                                "sources": {k: settings.source for k in
-                                           ("mode", "queue_depth", "block_bytes")}}
+                                           ("mode", "queue_depth", "block_bytes", "streams")}}
 
     def io_settings(self) -> dict:
         """The I/O settings in force per direction and where they came from: {"read":
-        {"mode", "queue_depth", "block_bytes", "source", "sources"}, "write": ..., "threads",
+        {"mode", "queue_depth", "block_bytes", "streams", "source", "sources"}, "write": ...,
+        "threads",
         "profile": {"source", "file", "measured_at"}, "adaptive": directions watched,
         "changes": how many times the adaptive controller stepped}."""
         out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._io_report.items()}
