@@ -11,11 +11,12 @@ thread is not), and releases it dirty. Two settings:
 The bound per step is max(total I/O time, total compute time), where the I/O time is the
 bytes the step must move (one read and one write of each bucket not resident) at the
 bandwidth fio measures in the same run for the same mix (50/50 read/write, O_DIRECT, the
-store's block size and queue depth). Goal: wall time <= 1.10x the bound in both settings.
+store's block size, queue depth and streams: one fio job per stream, each on its own part of
+the file at queue depth / streams). Goal: wall time <= 1.10x the bound in both settings.
 
 Without --block-size and --queue-depth the store uses its defaults: the device profile's
 choice per direction (docs/store.md, I/O settings), reported under "io"; fio then runs at
-the profile's read block size and queue depth. Each setting's store directory is removed
+the profile's read block size, queue depth and streams. Each setting's store directory is removed
 before the next one starts, so the disk needs room for one state, not two.
 
     python tools/bench_store.py --path /nvme/bench --state 2GiB --cpu-budget 512MiB
@@ -39,27 +40,38 @@ from offload_engine.store import TieredStore
 from offload_engine.units import parse_bytes
 
 
-def fio_mixed_gbps(directory: str, size: int, block: int, qd: int, runs: int) -> dict:
-    """Median read+write GB/s of a 50/50 sequential O_DIRECT mix, plus pure read and write."""
+def fio_mixed_gbps(directory: str, size: int, block: int, qd: int, runs: int,
+                   streams: int = 1) -> dict:
+    """Median read+write GB/s of a 50/50 sequential O_DIRECT mix, plus pure read and write;
+    ``streams`` jobs, each on its own 1/streams of the file (sizes in bytes)."""
     if shutil.which("fio") is None:
         raise SystemExit("bench_store: fio is not installed (apt-get install fio)")
     path = os.path.join(directory, "fio.dat")
+    if size % (streams * block):
+        streams = 1  # each job's part must hold whole blocks
+    jobs = [f"--size={size}"]
+    if streams > 1:
+        jobs = [f"--numjobs={streams}", f"--size={size // streams}",
+                f"--offset_increment={size // streams}", "--group_reporting"]
+    depth = max(1, qd // streams)
     out = {}
     for name, rw in (("mixed", ["--rw=rw", "--rwmixread=50"]), ("read", ["--rw=read"]),
                      ("write", ["--rw=write"])):
         vals = []
         for _ in range(runs):
-            cmd = ["fio", "--name=bench", f"--filename={path}", f"--size={size}", f"--bs={block}",
-                   f"--iodepth={qd}", "--direct=1", "--ioengine=libaio", "--output-format=json",
+            cmd = ["fio", "--name=bench", f"--filename={path}", *jobs, f"--bs={block}",
+                   f"--iodepth={depth}", "--direct=1", "--ioengine=libaio", "--output-format=json",
                    *rw]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
             moved = job["read"]["io_bytes"] + job["write"]["io_bytes"]
-            seconds = job["job_runtime"] / 1e3
+            # per direction, the group's longest job ("job_runtime" sums the jobs)
+            seconds = max(job["read"]["runtime"], job["write"]["runtime"]) / 1e3
             vals.append(moved / seconds / 1e9)
         out[name] = {"gbps": statistics.median(vals), "runs": vals}
     os.unlink(path)
-    out["args"] = f"fio --direct=1 --ioengine=libaio --bs={block} --iodepth={qd} --size={size}"
+    out["args"] = " ".join(["fio --direct=1 --ioengine=libaio", f"--bs={block}",
+                            f"--iodepth={depth}", *jobs])
     return out
 
 
@@ -151,11 +163,13 @@ def main(argv=None) -> int:
         profile = device_profile.choose(args.path)
         block = args.block_size or profile["read"]["block_bytes"]
         qd = args.queue_depth or profile["read"]["queue_depth"]
-        fio = fio_mixed_gbps(work, min(args.state, parse_bytes("1GiB")), block, qd, args.fio_runs)
+        streams = profile["read"].get("streams", 1)
+        fio = fio_mixed_gbps(work, min(args.state, parse_bytes("1GiB")), block, qd, args.fio_runs,
+                             streams)
         disk = fio["mixed"]["gbps"]
         result = {
             "state_bytes": args.state, "cpu_budget": args.cpu_budget, "bucket_bytes": args.bucket,
-            "block_size": block, "queue_depth": qd,
+            "block_size": block, "queue_depth": qd, "streams": streams,
             "profile": {k: profile.get(k) for k in ("source", "read", "write", "probe_s")},
             "prefetch_depth": args.prefetch_depth, "steps": args.steps, "fio": fio,
             "compute_bound": run_setting(args, os.path.join(work, "a"), 2.0, disk),
