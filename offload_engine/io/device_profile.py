@@ -44,8 +44,8 @@ PROBE_BYTES = 256 * MiB  # bytes moved per case and direction
 REQUEST_BYTES = 32 * MiB  # bytes per request, all submitted at once (as the store's read-ahead)
 # (mode, queue depth, block size, streams): the points `bench disk` found to matter on our
 # disks, then direct with 8 requests served at once (one piece each: regions 32 MiB apart).
-# On this VM's virtual disk, 8 GiB of 64 MiB chunk files read at 1.1-1.3 GB/s one chunk
-# after another whatever the depth, and at 1.5-1.6 GB/s 8 chunks at once (QD 8 x 8 MiB or
+# On this VM's virtual disk, 8 GiB of 64 MiB chunk files read at 1.0-1.3 GB/s one chunk
+# after another whatever the depth, and at 1.4-1.6 GB/s 8 chunks at once (QD 8 x 8 MiB or
 # 4 MiB; 3 alternating runs each, page cache dropped, 2026-12-02). Stream cases come after
 # the single-stream ones, so they win only beyond TIE.
 CASES = (tuple((mode, qd, bs, 1) for mode in ("direct", "buffered")

@@ -5,8 +5,8 @@ page cache otherwise) or "buffered" (always through the page cache, with readahe
 reads and write-out plus DONTNEED after writes, so the cache does not grow with the state).
 ``streams`` is how many requests are served at once, one piece from each in turn: a disk
 that reads several regions at once faster than one region at a greater depth (this VM's
-virtual disk: 8 GiB of chunk files read 1.1-1.3 GB/s one chunk at a time, 1.5-1.6 with 8 chunk
-files at once, same pieces in flight) gets them all busy; 1 serves requests in order.
+virtual disk: 8 GiB of chunk files read 1.0-1.3 GB/s one chunk at a time, 1.4-1.6 with 8
+chunk files at once, same pieces in flight) gets them all busy; 1 serves requests in order.
 ``source`` says where the choice came from: "config" (the user's), "profile" (the device
 profile, io/device_profile.py), "adaptive" (stepped while running, io/adaptive.py) or
 "default" (built in).
