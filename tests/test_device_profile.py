@@ -13,7 +13,8 @@ from offload_engine.io.settings import DEFAULT, DirectionSettings
 from offload_engine.store import TieredStore
 
 KiB = 1024
-TINY_CASES = (("direct", 1, 64 * KiB), ("buffered", 2, 64 * KiB), ("direct", 2, 64 * KiB, 2))
+TINY_CASES = (("direct", 1, 64 * KiB, 1), ("buffered", 2, 64 * KiB, 1),
+              ("direct", 2, 64 * KiB, 2))
 
 
 @pytest.fixture

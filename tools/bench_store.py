@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from offload_engine.cli.bench_io_methods import fio_job_args
 from offload_engine.store import TieredStore
 from offload_engine.units import parse_bytes
 
@@ -47,20 +48,14 @@ def fio_mixed_gbps(directory: str, size: int, block: int, qd: int, runs: int,
     if shutil.which("fio") is None:
         raise SystemExit("bench_store: fio is not installed (apt-get install fio)")
     path = os.path.join(directory, "fio.dat")
-    if size % (streams * block):
-        streams = 1  # each job's part must hold whole blocks
-    jobs = [f"--size={size}"]
-    if streams > 1:
-        jobs = [f"--numjobs={streams}", f"--size={size // streams}",
-                f"--offset_increment={size // streams}", "--group_reporting"]
-    depth = max(1, qd // streams)
+    jobs = fio_job_args(size, block, qd, streams)
     out = {}
     for name, rw in (("mixed", ["--rw=rw", "--rwmixread=50"]), ("read", ["--rw=read"]),
                      ("write", ["--rw=write"])):
         vals = []
         for _ in range(runs):
             cmd = ["fio", "--name=bench", f"--filename={path}", *jobs, f"--bs={block}",
-                   f"--iodepth={depth}", "--direct=1", "--ioengine=libaio", "--output-format=json",
+                   "--direct=1", "--ioengine=libaio", "--output-format=json",
                    *rw]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
@@ -70,8 +65,7 @@ def fio_mixed_gbps(directory: str, size: int, block: int, qd: int, runs: int,
             vals.append(moved / seconds / 1e9)
         out[name] = {"gbps": statistics.median(vals), "runs": vals}
     os.unlink(path)
-    out["args"] = " ".join(["fio --direct=1 --ioengine=libaio", f"--bs={block}",
-                            f"--iodepth={depth}", *jobs])
+    out["args"] = " ".join(["fio --direct=1 --ioengine=libaio", f"--bs={block}", *jobs])
     return out
 
 

@@ -141,6 +141,19 @@ class EngineBench:
         self.pool.close()
 
 
+def fio_job_args(size: int, block: int, queue_depth: int, streams: int) -> list[str]:
+    """fio options that move ``size`` bytes in ``block``-byte requests, ``queue_depth`` in
+    flight, over ``streams`` regions: that many jobs, each on its own 1/streams of the file at
+    queue_depth / streams (one job where a region would not hold whole blocks)."""
+    if streams < 1 or size % (streams * block):
+        streams = 1
+    depth = f"--iodepth={max(1, queue_depth // streams)}"
+    if streams == 1:
+        return [f"--size={size}", depth]
+    return [f"--numjobs={streams}", f"--offset_increment={size // streams}",
+            f"--size={size // streams}", "--group_reporting", depth]
+
+
 class FioBench:
     """fio on one file: with ``direct``, libaio at the engine's queue depth, block size and
     streams of each direction (``streams`` jobs, each on its own 1/streams of the file at
@@ -158,16 +171,10 @@ class FioBench:
         self.args = {}
         for rw in ("write", "read"):
             bs, qd, streams = shape[rw]
-            if not direct or size % (streams * bs):
-                streams = 1  # regions must hold whole blocks
-            jobs = [f"--size={size}"]
-            if streams > 1:
-                jobs = [f"--numjobs={streams}", f"--offset_increment={size // streams}",
-                        f"--size={size // streams}", "--group_reporting"]
+            jobs = fio_job_args(size, bs, qd, streams) if direct else fio_job_args(size, bs, 1, 1)
             extra = ["--end_fsync=1"] if rw == "write" else []
-            depth = max(1, qd // streams) if direct else 1
             self.args[rw] = ["fio", f"--name={rw}", *self.common, *jobs, f"--bs={bs}",
-                             f"--iodepth={depth}", f"--rw={rw}", *extra]
+                             f"--rw={rw}", *extra]
 
     def describe(self) -> str:
         return ("fio " + " | ".join(" ".join(a for a in self.args[rw][2:]

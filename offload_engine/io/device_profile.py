@@ -307,7 +307,7 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
         for n in range(passes):
             order = range(len(cases)) if n % 2 == 0 else range(len(cases) - 1, -1, -1)
             for i in order:
-                mode, qd, bs, streams = _case(cases[i])
+                mode, qd, bs, streams = cases[i]
                 st = DirectionSettings(mode, qd, min(bs, request), "probe", streams)
                 with AsyncFileIO(threads=qd, read=st, write=st) as io:
                     runs[i]["write"].append(_timed(io, file, buf, size, request, write=True))
@@ -315,8 +315,7 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
                     runs[i]["read"].append(_timed(io, file, buf, size, request, write=False))
         buf.release()
         points = []
-        for i, case in enumerate(cases):
-            mode, qd, bs, streams = _case(case)
+        for i, (mode, qd, bs, streams) in enumerate(cases):
             point = {"mode": mode, "queue_depth": qd, "block_bytes": min(bs, request),
                      "streams": streams}
             for op in ("write", "read"):
@@ -362,11 +361,6 @@ def pick(points: list[dict], op: str) -> dict:
                     "block_bytes": p["block_bytes"], "streams": p.get("streams", 1),
                     "gbps": p[key]}
     raise AssertionError("unreachable")
-
-
-def _case(case: tuple) -> tuple:
-    """(mode, queue depth, block bytes, streams) of a case; streams 1 where not given."""
-    return (*case, 1) if len(case) == 3 else tuple(case)
 
 
 def _timed(io, file: str, buf, size: int, request: int, write: bool) -> tuple[float, float]:

@@ -20,6 +20,7 @@ from ..units import MiB
 
 MODES = ("direct", "buffered")
 DIRECTIONS = ("read", "write")
+FIELDS = ("mode", "queue_depth", "block_bytes", "streams")  # what moves the bytes
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ class DirectionSettings:
         return asdict(self)
 
     def shape(self) -> tuple:
-        """What moves the bytes, without where the choice came from."""
-        return self.mode, self.queue_depth, self.block_bytes, self.streams
+        """What moves the bytes (``FIELDS``), without where the choice came from."""
+        return tuple(getattr(self, f) for f in FIELDS)
 
     def describe(self) -> str:
         """e.g. "direct QD 8 x 8 MiB, 4 streams"."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..io import device_profile
 from ..io.adaptive import AdaptiveIO, candidates_from
-from ..io.settings import DEFAULT, DIRECTIONS, DirectionSettings
+from ..io.settings import DEFAULT, DIRECTIONS, FIELDS, DirectionSettings
 from .config import StoreConfig
 
 # bytes a direction moves between two decisions of the adaptive controller: enough that
@@ -32,21 +32,18 @@ def resolve(cfg: StoreConfig, directory: str | None) -> dict:
         chosen = device_profile.settings_of(profile, op, psource)
         mode_key = f"{op}_mode"
         fixed = set(fixed_fields)
-        sources = {"mode": psource, "queue_depth": psource, "block_bytes": psource,
-                   "streams": psource}
-        values = {"mode": chosen.mode, "queue_depth": chosen.queue_depth,
-                  "block_bytes": chosen.block_bytes, "streams": chosen.streams}
+        sources = dict.fromkeys(FIELDS, psource)
+        values = dict(zip(FIELDS, chosen.shape()))
         if getattr(cfg, mode_key) != "auto":
             values["mode"], sources["mode"] = getattr(cfg, mode_key), "config"
             fixed.add("mode")
         for f in fixed_fields:
             values[f], sources[f] = getattr(cfg, config_key[f]), "config"
         source = "config" if "config" in sources.values() else psource
-        st = DirectionSettings(values["mode"], values["queue_depth"], values["block_bytes"], source,
-                               values["streams"])
+        st = DirectionSettings(**values, source=source)
         out[op] = st
         report[op] = {**{k: v for k, v in st.as_dict().items()}, "sources": sources}
-        if cfg.adaptive_io and directory is not None and len(fixed) < len(config_key) + 1:
+        if cfg.adaptive_io and directory is not None and len(fixed) < len(FIELDS):
             cands = candidates_from(profile if psource == "profile" else {}, op, st, fixed)
             if len(cands) > 1:
                 controllers[op] = AdaptiveIO(cands, window_bytes=ADAPT_WINDOW_BYTES)

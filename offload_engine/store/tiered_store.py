@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..io import AsyncFileIO, BufferPool, FileIOError, IOFuture, PoolExhaustedError, syscalls
+from ..io.settings import FIELDS
 from .. import dtypes
 from ..layout import FlatArray
 from ..layout.store_group import STORE_KEYS, open_store_group, store_array_entry, write_store_group
@@ -717,8 +718,7 @@ class TieredStore:
         from now on; bytes already written read back the same in every mode."""
         self.io.set_settings(op, settings)
         self._io_report[op] = {**settings.as_dict(),
-                               "sources": {k: settings.source for k in
-                                           ("mode", "queue_depth", "block_bytes", "streams")}}
+                               "sources": {k: settings.source for k in FIELDS}}
 
     def io_settings(self) -> dict:
         """The I/O settings in force per direction and where they came from: {"read":
