@@ -169,3 +169,17 @@ def test_eviction_leaves_nothing_cached(disk_dir):
     if page_cache.resident_bytes([str(path)]) == 0:
         pytest.skip("this file system does not keep written pages cached")
     assert page_cache.evict_and_check([str(disk_dir)]) == 0
+
+
+@pytest.mark.parametrize("methods", [2, 3, 4, 5])
+def test_run_order_puts_each_method_first_once_and_varies_who_comes_before(methods):
+    runs = methods * 2
+    orders = [bench_io.run_order(methods, r) for r in range(runs)]
+    for order in orders:
+        assert sorted(order) == list(range(methods))
+    for start in range(0, runs, methods):  # every window of `methods` runs: each first once
+        assert sorted(o[0] for o in orders[start:start + methods]) == list(range(methods))
+    if methods > 2:  # with two methods there is only one possible predecessor
+        for m in range(methods):
+            before = {o[o.index(m) - 1] for o in orders if o[0] != m}
+            assert len(before) > 1, f"method {m} always follows {before}"

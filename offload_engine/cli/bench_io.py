@@ -24,8 +24,11 @@ Each run writes SIZE bytes and reads them back with every method, the page cache
   (zarr-python: plus ``fdatasync`` of every file, since it does not sync; tensorstore syncs
   each chunk by default).
 
-Runs are interleaved: in run 1 every method writes, then every method reads, then run 2
-follows; the order of the methods rotates from run to run, so drift in a noisy disk hits
+Every method first writes its files once, untimed, so that each timed write overwrites
+written blocks (as the store does every step). Runs are interleaved: in run 1 every method
+writes, then every method reads, then run 2 follows; each method goes first once in every
+so many runs as there are methods, and the others follow in an order that changes from
+run to run (``run_order``), so drift in a noisy disk and one method's after-effects hit
 every method alike. Figures are GB/s (1e9 bytes per second); the medians of the runs
 are reported, with every run's value, the best peer per direction (fastest median of fio,
 fio buffered, zarr-python and tensorstore) and the engine's ratio to it.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import mmap
 import os
 import platform
@@ -315,12 +319,18 @@ def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workd
         for name, bench in benches:
             results[name] = MethodResult(notes=bench.describe())
 
+        # -- warm-up, untimed: every method writes its files once, so each timed write
+        # overwrites blocks already written, as every step of a training run does (the
+        # first write into new or preallocated extents also pays for the file system's
+        # allocation, in whichever run came first) --
+        for name, bench in benches:
+            bench.write()
+            say(f"warm-up {name} write (untimed)")
+
         # -- timed runs: in each run every method writes, then every method reads (so each
-        # read finds data written a while before, never just now); the order of the
-        # methods rotates from run to run so that no method always follows the same one --
+        # read finds data written a while before, never just now), in run_order --
         for r in range(cfg.runs):
-            k = r % len(benches)
-            order = benches[k:] + benches[:k]
+            order = [benches[i] for i in run_order(len(benches), r)]
             for column in ("write", "read"):
                 for name, bench in order:
                     wall, cpu = getattr(bench, column)()
@@ -376,6 +386,20 @@ def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workd
         io.close()  # first: its worker threads may still hold views of the ring's buffers
         if engine is not None:
             engine.close()
+
+
+def run_order(methods: int, run: int) -> list[int]:
+    """The order (indices) in which ``methods`` methods go in run ``run`` (from 0).
+
+    Method ``run % methods`` goes first, so over any ``methods`` runs each goes first once
+    (the first write after a read phase can find the disk in a different state); the
+    rest follow at a stride coprime with ``methods`` that changes from run to run, so a
+    method's predecessor changes too and no method's figures always carry over the same
+    peer's (a plain rotation always puts one method right after the same other one).
+    """
+    strides = [k for k in range(1, methods) if math.gcd(k, methods) == 1] or [1]
+    stride = strides[run % len(strides)]
+    return [(run + i * stride) % methods for i in range(methods)]
 
 
 def _ratios(results: dict[str, MethodResult], baseline: str) -> dict:
