@@ -133,6 +133,8 @@ def test_not_enough_space_exits_2_before_writing(disk_dir, capsys, monkeypatch):
     rc, out, err = _bench(capsys, "--path", disk_dir, "--size", "8MiB", "--runs", 1)
     assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "free" in err
+    files = 5 if HAVE_FIO else 4  # engine, (fio O_DIRECT, fio buffered | odirect_loop), 2 peers
+    assert f"{files} x --size" in err and f"{files * 8 + 64}.00 MiB" in err, err
     assert os.listdir(disk_dir) == []
 
 

@@ -186,7 +186,7 @@ def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
     check_config(cfg)
     baseline = _choose_baseline(cfg.baseline)
     # the engine array, the baseline files, the zarr-python and the tensorstore arrays
-    workdir = make_workdir(cfg.path, (5 if baseline == "fio" else 4) * cfg.size)
+    workdir = make_workdir(cfg.path, (5 if baseline == "fio" else 4), cfg.size)
     try:
         settings, report = engine_settings(cfg)
         return _run_in(cfg, settings, report, baseline, workdir, say)
@@ -241,9 +241,10 @@ def engine_settings(cfg: BenchConfig) -> tuple[dict, dict]:
     return out, report
 
 
-def make_workdir(path: str, need_bytes: int) -> str:
+def make_workdir(path: str, files: int, size: int) -> str:
     """A new temporary folder in ``path``, after checking it is a directory with room for
-    ``need_bytes`` (plus a margin). Raises BenchError with one line otherwise."""
+    ``files`` files of ``size`` bytes (plus a margin). Raises BenchError with one line
+    otherwise."""
     where = os.path.abspath(path)
     try:
         st = os.stat(where)
@@ -251,11 +252,11 @@ def make_workdir(path: str, need_bytes: int) -> str:
         raise BenchError(f"{path}: {e.strerror or e}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise BenchError(f"{path}: not a directory")
-    need = need_bytes + SPACE_MARGIN
+    need = files * size + SPACE_MARGIN
     free = shutil.disk_usage(where).free
     if free < need:
         raise BenchError(f"{path}: {format_bytes(free)} free; the benchmark needs "
-                         f"{format_bytes(need)} (4 x --size plus {format_bytes(SPACE_MARGIN)})")
+                         f"{format_bytes(need)} ({files} x --size plus {format_bytes(SPACE_MARGIN)})")
     try:
         return tempfile.mkdtemp(prefix="offload-engine-bench-", dir=where)
     except OSError as e:
