@@ -327,6 +327,7 @@ def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workd
         for name, bench in benches:
             bench.write()
             say(f"warm-up {name} write (untimed)")
+        engine.direct_pieces = engine.buffered_pieces = 0  # count the timed runs' pieces only
 
         # -- timed runs: in each run every method writes, then every method reads (so each
         # read finds data written a while before, never just now), in run_order --
