@@ -186,7 +186,7 @@ def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
     check_config(cfg)
     baseline = _choose_baseline(cfg.baseline)
     # the engine array, the baseline files, the zarr-python and the tensorstore arrays
-    workdir = make_workdir(cfg.path, (5 if baseline == "fio" else 4), cfg.size)
+    workdir = make_workdir(cfg.path, 5 if baseline == "fio" else 4, cfg.size)
     try:
         settings, report = engine_settings(cfg)
         return _run_in(cfg, settings, report, baseline, workdir, say)
@@ -256,7 +256,8 @@ def make_workdir(path: str, files: int, size: int) -> str:
     free = shutil.disk_usage(where).free
     if free < need:
         raise BenchError(f"{path}: {format_bytes(free)} free; the benchmark needs "
-                         f"{format_bytes(need)} ({files} x --size plus {format_bytes(SPACE_MARGIN)})")
+                         f"{format_bytes(need)} ({files} x --size plus "
+                         f"{format_bytes(SPACE_MARGIN)})")
     try:
         return tempfile.mkdtemp(prefix="offload-engine-bench-", dir=where)
     except OSError as e:
