@@ -124,6 +124,42 @@ def test_pick_prefers_the_earlier_case_within_the_tie_margin():
     assert dp.pick(points, "write")["mode"] == "buffered"
 
 
+def test_within_the_tie_margin_reads_take_more_streams_then_less_cpu_writes_less_cpu():
+    """Cases within TIE of the fastest are noise apart: reads take the most streams (the
+    probe's file is too small to show what spreading gains at scale), then the least CPU
+    per GB; writes the least CPU per GB. A case ahead by more than TIE wins either way."""
+    def point(qd, streams, read, write, cpu):
+        return {"mode": "direct", "queue_depth": qd, "block_bytes": 4096, "streams": streams,
+                "read_gbps": read, "write_gbps": write, "read_cpu_s_per_gb": cpu,
+                "write_cpu_s_per_gb": cpu}
+    points = [point(16, 1, 1.00, 2.00, 0.09), point(8, 8, 0.97, 1.98, 0.04),
+              point(16, 16, 0.96, 2.02, 0.06)]
+    assert dp.pick(points, "read")["streams"] == 16  # 4 % behind: noise at this size
+    assert dp.pick(points, "write")["queue_depth"] == 8  # 2 % behind, half the CPU
+    ahead = [point(16, 1, 1.00, 2.0, 0.09), point(8, 8, 0.80, 1.5, 0.04),
+             point(16, 16, 0.90, 1.8, 0.06)]
+    assert dp.pick(ahead, "read") == {"mode": "direct", "queue_depth": 16, "block_bytes": 4096,
+                                      "streams": 1, "gbps": 1.00}
+    assert dp.pick(ahead, "write")["queue_depth"] == 16  # 10 % ahead: not noise
+    same = [point(4, 1, 1.0, 1.0, 0.05), point(8, 1, 1.0, 1.0, 0.03)]
+    assert dp.pick(same, "read")["queue_depth"] == 8  # equal streams: the cheaper
+    # without CPU figures (older profiles): the earlier case
+    for p in same:
+        del p["read_cpu_s_per_gb"], p["write_cpu_s_per_gb"]
+    assert dp.pick(same, "read")["queue_depth"] == dp.pick(same, "write")["queue_depth"] == 4
+
+
+def test_every_stream_of_a_probe_case_has_a_request_to_serve(small_probe, tmp_path, monkeypatch):
+    """A case of N streams must have at least N requests in the probe's file, else it
+    measures fewer streams than it records: its requests shrink until they do."""
+    monkeypatch.setattr(dp, "CASES", (("direct", 8, 256 * KiB, 8), ("direct", 2, 256 * KiB, 2)))
+    got = dp.probe(str(tmp_path))  # 1 MiB per case in requests of 256 KiB
+    by_streams = {p["streams"]: p for p in got["points"]}
+    assert by_streams[8]["block_bytes"] == 128 * KiB  # 8 requests of 128 KiB
+    assert by_streams[2]["block_bytes"] == 256 * KiB  # 4 requests: enough as they were
+    assert got["bytes_per_case"] == 1 << 20
+
+
 def test_buffered_wins_only_by_more_than_its_margin_and_the_probe_reports_cpu(small_probe, tmp_path):
     """Buffered I/O costs several times the CPU of O_DIRECT: it is chosen only when its
     points' median is more than BUFFERED_MARGIN above the direct points' median; one fast
