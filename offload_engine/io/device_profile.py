@@ -32,6 +32,7 @@ import uuid
 
 from ..units import MiB
 from . import syscalls
+from .align import ALIGN
 from .settings import DEFAULT, DIRECTIONS, DirectionSettings
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
     workdir = tempfile.mkdtemp(prefix=".oe-io-probe-", dir=path)
     file = os.path.join(workdir, "data")
     runs = [{"write": [], "read": []} for _ in cases]  # per case: (wall, cpu) seconds per pass
+    requests = [_request_bytes(size, request, streams) for _mode, _qd, _bs, streams in cases]
     pool = BufferPool(request, pin=False)
     try:
         buf = pool.acquire(request)
@@ -313,7 +315,7 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
             order = range(len(cases)) if n % 2 == 0 else range(len(cases) - 1, -1, -1)
             for i in order:
                 mode, qd, bs, streams = cases[i]
-                req = _request_bytes(size, request, streams)
+                req = requests[i]
                 st = DirectionSettings(mode, qd, min(bs, req), "probe", streams)
                 with AsyncFileIO(threads=qd, read=st, write=st) as io:
                     runs[i]["write"].append(_timed(io, file, buf, size, req, write=True))
@@ -322,8 +324,7 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
         buf.release()
         points = []
         for i, (mode, qd, bs, streams) in enumerate(cases):
-            point = {"mode": mode, "queue_depth": qd,
-                     "block_bytes": min(bs, _request_bytes(size, request, streams)),
+            point = {"mode": mode, "queue_depth": qd, "block_bytes": min(bs, requests[i]),
                      "streams": streams}
             for op in ("write", "read"):
                 wall = statistics.mean(t for t, _cpu in runs[i][op])
@@ -393,8 +394,8 @@ def _preference(points: list[dict], op: str) -> list[dict]:
 def _request_bytes(size: int, request: int, streams: int) -> int:
     """Bytes per request of a case with ``streams`` streams: ``request``, halved until
     ``size`` (a multiple of ``request``) holds a request per stream, else some streams would
-    have nothing to serve; never below 4 KiB, so O_DIRECT alignment holds."""
-    while size // request < streams and request % (2 * 4096) == 0:
+    have nothing to serve; never below ``ALIGN``, so O_DIRECT alignment holds."""
+    while size // request < streams and request % (2 * ALIGN) == 0:
         request //= 2
     return request
 
