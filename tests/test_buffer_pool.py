@@ -108,3 +108,37 @@ def test_a_pool_dropped_without_close_unpins_its_arena():
         pool.acquire(1000).view(torch.float32).fill_(1)
         del pool
         gc.collect()
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    found = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                found = int(head.split("-")[0], 16) == address
+            elif found and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no THP (not Linux)")
+def test_a_pool_of_huge_page_size_asks_for_huge_pages_on_a_huge_page_boundary(monkeypatch):
+    # an O_DIRECT request is cut into one device request per physically contiguous run of
+    # its buffer: 4 KiB pages turned 4 MiB reads into 512 KiB device requests (docs/store.md)
+    from offload_engine.io.align import HUGE_PAGE, HUGE_PAGES_ENV
+
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    with BufferPool(3 * HUGE_PAGE + ALIGN) as pool:  # not a whole number of huge pages
+        assert pool.address % HUGE_PAGE == 0
+        assert "hg" in _vma_flags(pool.address)  # madvise(MADV_HUGEPAGE) is in effect
+        buf = pool.acquire(3 * HUGE_PAGE + ALIGN)  # the whole budget is still there
+        buf.bytes.view(-1)[:] = 7
+        assert int(buf.bytes.view(-1)[-1]) == 7
+        buf.release()
+    with BufferPool(HUGE_PAGE // 2) as small:  # below a huge page: ordinary pages
+        assert "hg" not in _vma_flags(small.address)
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    with BufferPool(4 * HUGE_PAGE) as plain:  # turned off: ordinary pages
+        assert "hg" not in _vma_flags(plain.address)
