@@ -160,6 +160,44 @@ def test_every_stream_of_a_probe_case_has_a_request_to_serve(small_probe, tmp_pa
     assert got["bytes_per_case"] == 1 << 20
 
 
+def test_only_cases_near_the_fastest_get_a_second_pass(small_probe, tmp_path, monkeypatch):
+    """After the first pass, a case further than CONTEND behind the fastest in both
+    directions is not measured again (it cannot be chosen); one near the fastest in either
+    direction is, and its point is measured over both passes."""
+    cases = (("direct", 1, 64 * KiB, 1), ("direct", 2, 64 * KiB, 1),
+             ("buffered", 3, 64 * KiB, 1), ("direct", 5, 64 * KiB, 1))
+    # GB/s by queue depth: QD 1 fast reads, QD 2 fast writes, QD 3 slow both ways, QD 5
+    # slow reads and writes 14 % behind the fastest (within CONTEND); the second
+    # measurement of a case is 10 % faster than its first
+    speeds = {1: (1.0, 0.5), 2: (0.5, 1.0), 3: (0.5, 0.5), 5: (0.5, 0.86)}
+    seen = []
+
+    def fake_timed(io, file, buf, size, request, write):
+        qd = io.settings("read").queue_depth
+        if qd not in speeds:  # the untimed first write of the file (QD 4)
+            return 1.0, 0.0
+        seen.append((qd, write))
+        gbps = speeds[qd][1 if write else 0] * (1.1 if seen.count((qd, write)) == 2 else 1.0)
+        return size / (gbps * 1e9), 0.001
+
+    monkeypatch.setattr(dp, "CASES", cases)
+    monkeypatch.setattr(dp, "_timed", fake_timed)
+    got = dp.probe(str(tmp_path))
+    passes = {p["queue_depth"]: p["passes"] for p in got["points"]}
+    assert passes == {1: 2, 2: 2, 3: 1, 5: 2}
+    assert [qd for qd, write in seen if write] == [1, 2, 3, 5, 5, 2, 1]  # second pass reversed
+    by_qd = {p["queue_depth"]: p for p in got["points"]}
+    # its bytes over the mean time of its two passes (at 1.0 and 1.1 GB/s)
+    assert by_qd[1]["read_gbps"] == pytest.approx(2 / (1 / 1.0 + 1 / 1.1), rel=1e-3)
+    assert by_qd[3]["read_gbps"] == pytest.approx(0.5, rel=1e-3)
+    assert got["read"]["queue_depth"] == 1 and got["write"]["queue_depth"] == 2
+    # the rule itself
+    pts = [{"read_gbps": r, "write_gbps": w} for r, w in ((2.0, 1.0), (1.71, 0.1), (1.69, 0.1),
+                                                         (0.1, 0.86), (0.1, 0.84))]
+    assert dp.contenders(pts, range(5)) == [0, 1, 3]
+    assert dp.contenders(pts, [2, 4]) == [2, 4]  # the fastest among those given
+
+
 def test_buffered_wins_only_by_more_than_its_margin_and_the_probe_reports_cpu(small_probe, tmp_path):
     """Buffered I/O costs several times the CPU of O_DIRECT: it is chosen only when its
     points' median is more than BUFFERED_MARGIN above the direct points' median; one fast

@@ -64,8 +64,14 @@ TIE = 0.05
 # buffered case out of four that ran fast once (3.31 GB/s among 2.0-2.4), is not worth 4x
 # the CPU.
 BUFFERED_MARGIN = 0.25
-PASSES = 2  # every case measured twice, the second pass in reverse order: a disk whose speed
-#             drifts during the probe favours neither the first cases nor the last
+PASSES = 2  # contending cases measured twice, the second pass in reverse order: a disk whose
+#             speed drifts during the probe favours neither the first cases nor the last
+# after the first pass, only cases within this fraction of the fastest case (either
+# direction, any mode) are measured again; the others keep their one-pass figures. To
+# overtake the fastest on a second look such a case would have to gain more than this
+# plus TIE on it in one pass; the buffered cases, the slowest to measure here, were 20-45%
+# behind in every probe of 2026-12-02 (the probe took 8-12.6 s with every case twice)
+CONTEND = 0.15
 MEMORY_FS = ("tmpfs", "ramfs")  # no device behind them: O_DIRECT there would only add a copy
 
 probes_run = 0  # probes run by this process (tests check that a cached profile is reused)
@@ -272,8 +278,8 @@ def forget_memo() -> None:
 # -- the probe ----------------------------------------------------------------------------
 def probe(path: str, *, size: int | None = None, cases=None, passes: int | None = None) -> dict:
     """Measure ``cases`` (default ``CASES``) on a temporary file in directory ``path``
-    (removed after), ``passes`` times each (default ``PASSES``; every other pass in reverse
-    order); the choice per direction (``pick``), every point (mean GB/s and CPU seconds per
+    (removed after), up to ``passes`` times each (default ``PASSES``; every other pass in
+    reverse order; after the first, only the ``contenders``); the choice per direction (``pick``), every point (mean GB/s and CPU seconds per
     GB of this process), and how long it took. ``size``: bytes per case and direction
     (default ``PROBE_BYTES``, rounded down to whole requests). Figures are GB/s (1e9
     bytes/s). Memory file systems (tmpfs, ramfs) and those that refuse O_DIRECT are
@@ -311,9 +317,11 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
             # also pays the file system's conversion of them, which would fall on the first
             # case only; the store overwrites written blocks every step
             _timed(io0, file, buf, size, request, write=True)
+        measured = list(range(len(cases)))
         for n in range(passes):
-            order = range(len(cases)) if n % 2 == 0 else range(len(cases) - 1, -1, -1)
-            for i in order:
+            if n:
+                measured = contenders(_points(cases, requests, runs, size), measured)
+            for i in (measured if n % 2 == 0 else reversed(measured)):
                 mode, qd, bs, streams = cases[i]
                 req = requests[i]
                 st = DirectionSettings(mode, qd, min(bs, req), "probe", streams)
@@ -322,16 +330,7 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
                     evict([file])
                     runs[i]["read"].append(_timed(io, file, buf, size, req, write=False))
         buf.release()
-        points = []
-        for i, (mode, qd, bs, streams) in enumerate(cases):
-            point = {"mode": mode, "queue_depth": qd, "block_bytes": min(bs, requests[i]),
-                     "streams": streams}
-            for op in ("write", "read"):
-                wall = statistics.mean(t for t, _cpu in runs[i][op])
-                cpu = statistics.mean(c for _t, c in runs[i][op])
-                point[f"{op}_gbps"] = round(size / wall / 1e9, 4)
-                point[f"{op}_cpu_s_per_gb"] = round(cpu / (size / 1e9), 4)
-            points.append(point)
+        points = _points(cases, requests, runs, size)
     finally:
         pool.close()
         try:
@@ -347,6 +346,30 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
         out[op] = pick(points, op)
     out["probe_s"] = round(time.monotonic() - t0, 2)
     return out
+
+
+def _points(cases: list, requests: list[int], runs: list[dict], size: int) -> list[dict]:
+    """One point per case: its settings, the mean GB/s and CPU seconds per GB of its
+    passes so far per direction, and how many passes it had."""
+    points = []
+    for i, (mode, qd, bs, streams) in enumerate(cases):
+        point = {"mode": mode, "queue_depth": qd, "block_bytes": min(bs, requests[i]),
+                 "streams": streams, "passes": len(runs[i]["read"])}
+        for op in ("write", "read"):
+            wall = statistics.mean(t for t, _cpu in runs[i][op])
+            cpu = statistics.mean(c for _t, c in runs[i][op])
+            point[f"{op}_gbps"] = round(size / wall / 1e9, 4)
+            point[f"{op}_cpu_s_per_gb"] = round(cpu / (size / 1e9), 4)
+        points.append(point)
+    return points
+
+
+def contenders(points: list[dict], indices) -> list[int]:
+    """Those of ``indices`` (into ``points``) worth another pass: within ``CONTEND`` of the
+    fastest of them in either direction, in their given order."""
+    best = {op: max(points[i][f"{op}_gbps"] for i in indices) for op in DIRECTIONS}
+    return [i for i in indices
+            if any(points[i][f"{op}_gbps"] >= (1 - CONTEND) * best[op] for op in DIRECTIONS)]
 
 
 def pick(points: list[dict], op: str) -> dict:
