@@ -162,7 +162,7 @@ def test_every_stream_of_a_probe_case_has_a_request_to_serve(small_probe, tmp_pa
 
 def test_only_cases_near_the_fastest_get_a_second_pass(small_probe, tmp_path, monkeypatch):
     """After the first pass, a case further than CONTEND behind the fastest in both
-    directions is not measured again (it cannot be chosen); one near the fastest in either
+    directions is not measured again (it keeps its one-pass figure); one near the fastest in either
     direction is, and its point is measured over both passes."""
     cases = (("direct", 1, 64 * KiB, 1), ("direct", 2, 64 * KiB, 1),
              ("buffered", 3, 64 * KiB, 1), ("direct", 5, 64 * KiB, 1))

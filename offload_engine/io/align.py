@@ -15,10 +15,10 @@ import mmap
 import os
 import sys
 
-from ..units import PAGE
+from ..units import MiB, PAGE
 
 ALIGN = PAGE  # bytes: O_DIRECT alignment of addresses, offsets and lengths
-HUGE_PAGE = 2 * 1024 * 1024  # bytes: an x86-64 / arm64 (4 KiB granule) transparent huge page
+HUGE_PAGE = 2 * MiB  # bytes: an x86-64 / arm64 (4 KiB granule) transparent huge page
 HUGE_PAGES_ENV = "OFFLOAD_ENGINE_HUGE_PAGES"  # "0": host buffers of ordinary pages only
 
 
@@ -43,15 +43,16 @@ def aligned_host_region(nbytes: int) -> mmap.mmap:
     at 1.38-1.88 GB/s (16 streams, 4 GiB, 2026-12-02; docs/store.md, "Huge pages"). Where
     the kernel has none to give, the region is ordinary pages, as before."""
     size = max(round_up(nbytes), ALIGN)
-    if size < HUGE_PAGE or not huge_pages_wanted():
-        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = size >= HUGE_PAGE and huge_pages_wanted()
     # a whole number of huge pages: Linux places such anonymous mappings on a huge-page
     # boundary, so every 2 MiB of the region can be one huge page
-    region = mmap.mmap(-1, round_up(size, HUGE_PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError, ValueError):  # no THP in this kernel or build: 4 KiB pages
-        pass
+    region = mmap.mmap(-1, round_up(size, HUGE_PAGE) if huge else size,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without THP: ordinary pages
+            pass
     return region
 
 

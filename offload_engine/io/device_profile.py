@@ -279,8 +279,9 @@ def forget_memo() -> None:
 def probe(path: str, *, size: int | None = None, cases=None, passes: int | None = None) -> dict:
     """Measure ``cases`` (default ``CASES``) on a temporary file in directory ``path``
     (removed after), up to ``passes`` times each (default ``PASSES``; every other pass in
-    reverse order; after the first, only the ``contenders``); the choice per direction (``pick``), every point (mean GB/s and CPU seconds per
-    GB of this process), and how long it took. ``size``: bytes per case and direction
+    reverse order; after the first, only the ``contenders``); the choice per direction
+    (``pick``), every point (GB/s and CPU seconds per GB of this process over its passes),
+    and how long it took. ``size``: bytes per case and direction
     (default ``PROBE_BYTES``, rounded down to whole requests). Figures are GB/s (1e9
     bytes/s). Memory file systems (tmpfs, ramfs) and those that refuse O_DIRECT are
     measured, and chosen, buffered only."""
