@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from .errors import InputError
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def dtype(value) -> DType:
     else:
         found = BY_NAME.get(_foreign_name(value))
     if found is None:
-        raise ValueError(f"dtype {value!r} is not supported here; supported: "
+        raise InputError(f"dtype {value!r} is not supported here; supported: "
                          f"{', '.join(BY_NAME)}")
     return found
 
@@ -131,7 +132,7 @@ def from_safetensors(code: str) -> DType:
     """The entry for a safetensors dtype code (``"BF16"``); ValueError when unknown."""
     found = _BY_SAFETENSORS.get(code) if isinstance(code, str) else None
     if found is None:
-        raise ValueError(f"safetensors dtype {code!r} is not supported here; supported: "
+        raise InputError(f"safetensors dtype {code!r} is not supported here; supported: "
                          f"{', '.join(_BY_SAFETENSORS)}")
     return found
 
@@ -140,7 +141,7 @@ def zarr_dtype(name) -> DType:
     """The entry for a zarr v3 ``data_type`` our arrays may hold; ValueError otherwise."""
     found = BY_NAME.get(name) if isinstance(name, str) else None
     if found is None or not found.zarr:
-        raise ValueError(f"zarr data type {name!r} is not supported (supported: "
+        raise InputError(f"zarr data type {name!r} is not supported (supported: "
                          f"{', '.join(ZARR_NAMES)})")
     return found
 

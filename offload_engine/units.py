@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from .errors import InputError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -28,17 +29,17 @@ def parse_bytes(value: int | float | str) -> int:
     powers of 1024, as Hugging Face and the SI/IEC standards use them.
     """
     if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
+        raise InputError(f"not a size: {value!r}")
     if isinstance(value, (int, float)):
         if value < 0 or int(value) != value:
-            raise ValueError(f"size must be a non-negative whole number of bytes, got {value!r}")
+            raise InputError(f"size must be a non-negative whole number of bytes, got {value!r}")
         return int(value)
     m = _SIZE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (examples: 4096, \"64MiB\", \"8GiB\", \"5GB\")")
+        raise InputError(f"not a size: {value!r} (examples: 4096, \"64MiB\", \"8GiB\", \"5GB\")")
     number = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if number != int(number):
-        raise ValueError(f"size {value!r} is not a whole number of bytes")
+        raise InputError(f"size {value!r} is not a whole number of bytes")
     return int(number)
 
 

@@ -10,7 +10,7 @@ imported on first use: they pull in torch.distributed.
 from ..formats.errors import CheckpointError
 from ..formats.ours.generations import resolve
 from ..layout.checksums import ChecksumError
-from .save_errors import CheckpointSaveError
+from ..formats.errors import CheckpointSaveError
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "ChecksumError", "load_checkpoint", "resolve",
            "save_checkpoint", "save_checkpoint_async"]

@@ -19,6 +19,7 @@ from ..io import syscalls
 from ..io.errors import FileIOError
 from ..layout.generations import LATEST, SUPERSEDED
 from ..layout.metadata import fsync_dir, write_text_atomic
+from ..errors import PathExistsError
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,11 @@ def set_aside_orphan(ckpt_dir: str, final: str, step: int) -> BaseException | No
         if not os.path.lexists(os.path.join(ckpt_dir, LATEST)):
             current = None  # the first save crashed before writing latest
         else:
-            return FileExistsError(f"{final}: a checkpoint of step {step} is already "
+            return PathExistsError(f"{final}: a checkpoint of step {step} is already "
                                    f"committed, and latest cannot be read to tell whether "
                                    f"it is the current one ({e})")
     if current == name:
-        return FileExistsError(f"{final}: a checkpoint of step {step} is already committed "
+        return PathExistsError(f"{final}: a checkpoint of step {step} is already committed "
                                f"(and latest names it)")
     k = 1
     while os.path.lexists(f"{final}{SUPERSEDED}{k}"):

@@ -32,6 +32,7 @@ from .save import _collective, param_name
 from .supported import check_optimizer
 from .training_state import restore_training_state
 from ..units import MiB
+from ..errors import InputError
 
 WINDOW_BYTES = 8 * MiB  # bytes per checksummed read window
 
@@ -59,7 +60,7 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module | None = None, optimiz
     one of another model; TypeError for an optimizer other than ZeroMuon."""
     opt = check_optimizer(optimizer, "load_checkpoint", allow_none=True)
     if model is None and opt is None:
-        raise ValueError("load_checkpoint: pass a model, an optimizer or both")
+        raise InputError("load_checkpoint: pass a model, an optimizer or both")
     if opt is not None:
         finish_previous(opt)  # a save in progress reads the parameters this overwrites
     if rng is None:

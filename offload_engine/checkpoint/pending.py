@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from ..errors import OperationTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class PendingCheckpoint:
     def wait(self, timeout: float | None = None) -> str:
         """Block until committed; returns the generation's directory."""
         if not self._finished.wait(timeout):
-            raise TimeoutError(f"{self.path}: checkpoint not committed after {timeout} s")
+            raise OperationTimeoutError(f"{self.path}: checkpoint not committed after {timeout} s")
         if self._error is not None:
             raise self._error
         return self.path

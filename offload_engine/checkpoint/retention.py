@@ -25,6 +25,7 @@ from ..layout.generations import DELETING, PARTIAL, SUPERSEDED
 from ..layout.manifest import CHECKPOINT_FORMAT
 from ..layout.metadata import fsync_dir
 from ..formats.ours.tensor_table import read_manifest_attrs
+from ..errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def check_keep_last(keep_last) -> int | None:
     if keep_last is None:
         return None
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be an integer >= 1 (or None to keep every "
+        raise InputError(f"keep_last must be an integer >= 1 (or None to keep every "
                          f"generation), got {keep_last!r}")
     return keep_last
 

@@ -14,6 +14,7 @@ import logging
 import random
 
 import torch
+from ..errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def restore_rng(state: dict, where: str) -> None:
         random.setstate(state["python"])
         torch.set_rng_state(state["torch"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{where}: the saved Python or torch RNG state cannot be restored "
+        raise InputError(f"{where}: the saved Python or torch RNG state cannot be restored "
                          f"({type(e).__name__}: {e})") from None
     np = _numpy()
     if np is not None:
@@ -47,7 +48,7 @@ def restore_rng(state: dict, where: str) -> None:
             try:
                 np.random.set_state(state["numpy"])
             except (TypeError, ValueError) as e:
-                raise ValueError(f"{where}: the saved numpy RNG state cannot be restored "
+                raise InputError(f"{where}: the saved numpy RNG state cannot be restored "
                                  f"({e})") from None
         else:
             log.warning("%s: no numpy RNG state was saved; numpy's generator is left as it is",
@@ -60,7 +61,7 @@ def restore_rng(state: dict, where: str) -> None:
             try:
                 torch.cuda.set_rng_state(saved)
             except (TypeError, RuntimeError) as e:
-                raise ValueError(f"{where}: the saved CUDA RNG state cannot be restored "
+                raise InputError(f"{where}: the saved CUDA RNG state cannot be restored "
                                  f"({e})") from None
 
 

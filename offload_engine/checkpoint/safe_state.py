@@ -31,6 +31,7 @@ import math
 import torch
 
 from .. import dtypes
+from ..errors import InputError
 
 MAX_TENSOR_BYTES = 64 * 2**20   # bytes of tensors per rank and save (base64 in JSON)
 _MARKERS = ("__float__", "__tuple__", "__dict__", "__tensor__", "__ndarray__", "__str__")
@@ -88,7 +89,7 @@ def decode(doc, where: str):
         (key, body), = doc.items()
         if key == "__float__":
             if body not in ("nan", "inf", "-inf"):
-                raise ValueError(f"{where}: a non-finite float must be nan, inf or -inf, got {body!r}")
+                raise InputError(f"{where}: a non-finite float must be nan, inf or -inf, got {body!r}")
             return float(body)
         if key == "__tuple__":
             return tuple(decode(v, where) for v in _list(body, where))
@@ -96,12 +97,12 @@ def decode(doc, where: str):
             out = {}
             for pair in _list(body, where):
                 if not isinstance(pair, list) or len(pair) != 2:
-                    raise ValueError(f"{where}: a __dict__ item must be [key, value]")
+                    raise InputError(f"{where}: a __dict__ item must be [key, value]")
                 k = decode(pair[0], where)
                 try:
                     out[k] = decode(pair[1], where)
                 except TypeError:
-                    raise ValueError(f"{where}: key {k!r} cannot be a dict key") from None
+                    raise InputError(f"{where}: key {k!r} cannot be a dict key") from None
             return out
         if key == "__tensor__":
             return _untensor(body, where)
@@ -123,7 +124,7 @@ def _unescape(key: str) -> str:
 
 def _list(body, where: str) -> list:
     if not isinstance(body, list):
-        raise ValueError(f"{where}: expected a list, got {type(body).__name__}")
+        raise InputError(f"{where}: expected a list, got {type(body).__name__}")
     return body
 
 
@@ -152,7 +153,7 @@ def _untensor(body, where: str) -> torch.Tensor:
     dt, shape, raw = _header(body, where)
     n = math.prod(shape)
     if len(raw) != n * dt.itemsize:
-        raise ValueError(f"{where}: a {dt.name} tensor of shape {shape} needs {n * dt.itemsize} "
+        raise InputError(f"{where}: a {dt.name} tensor of shape {shape} needs {n * dt.itemsize} "
                          f"bytes, the checkpoint holds {len(raw)}")
     out = torch.empty(n, dtype=dt.torch)
     if n:
@@ -173,18 +174,18 @@ def _ndarray(np, a, where: str, budget: _Budget) -> dict:
 def _unndarray(body, where: str):
     np = _numpy()
     if np is None:
-        raise ValueError(f"{where}: holds a numpy array, and numpy is not installed")
+        raise InputError(f"{where}: holds a numpy array, and numpy is not installed")
     if not isinstance(body, dict) or not isinstance(body.get("dtype"), str):
-        raise ValueError(f"{where}: an __ndarray__ needs a dtype string")
+        raise InputError(f"{where}: an __ndarray__ needs a dtype string")
     try:
         dt = np.dtype(body["dtype"])
     except TypeError:
-        raise ValueError(f"{where}: unknown numpy dtype {body['dtype']!r}") from None
+        raise InputError(f"{where}: unknown numpy dtype {body['dtype']!r}") from None
     if dt.kind not in "biuf":
-        raise ValueError(f"{where}: numpy dtype {dt} is not a number type")
+        raise InputError(f"{where}: numpy dtype {dt} is not a number type")
     shape, raw = _shape_and_bytes(body, where)
     if len(raw) != math.prod(shape) * dt.itemsize:
-        raise ValueError(f"{where}: a {dt} array of shape {shape} needs "
+        raise InputError(f"{where}: a {dt} array of shape {shape} needs "
                          f"{math.prod(shape) * dt.itemsize} bytes, the checkpoint holds {len(raw)}")
     arr = np.frombuffer(raw, dtype=dt).reshape(shape).copy()
     return arr[()] if body.get("scalar") is True else arr
@@ -192,11 +193,11 @@ def _unndarray(body, where: str):
 
 def _header(body, where: str):
     if not isinstance(body, dict):
-        raise ValueError(f"{where}: a __tensor__ must be an object")
+        raise InputError(f"{where}: a __tensor__ must be an object")
     try:
         dt = dtypes.dtype(body.get("dtype"))
     except (ValueError, TypeError, KeyError):
-        raise ValueError(f"{where}: unknown tensor dtype {body.get('dtype')!r}") from None
+        raise InputError(f"{where}: unknown tensor dtype {body.get('dtype')!r}") from None
     shape, raw = _shape_and_bytes(body, where)
     return dt, shape, raw
 
@@ -204,13 +205,13 @@ def _header(body, where: str):
 def _shape_and_bytes(body: dict, where: str):
     shape = body.get("shape")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"{where}: shape must be a list of integers >= 0, got {shape!r}")
+        raise InputError(f"{where}: shape must be a list of integers >= 0, got {shape!r}")
     data = body.get("data")
     if not isinstance(data, str) or len(data) > 2 * MAX_TENSOR_BYTES:
-        raise ValueError(f"{where}: data must be a base64 string of at most "
+        raise InputError(f"{where}: data must be a base64 string of at most "
                          f"{MAX_TENSOR_BYTES} bytes")
     try:
         raw = base64.b64decode(data, validate=True)
     except ValueError:
-        raise ValueError(f"{where}: data is not base64") from None
+        raise InputError(f"{where}: data is not base64") from None
     return shape, raw

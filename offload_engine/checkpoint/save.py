@@ -41,7 +41,7 @@ from .model_tensors import frozen_parameters, frozen_rows, local_rows, row_block
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
 from .retention import apply_retention, check_keep_last
-from .save_errors import save_error
+from ..formats.errors import CheckpointSaveError
 from .shared_dir import check_shared, write_marker
 from .supported import check_optimizer
 from .tags import generation_dir
@@ -125,7 +125,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         dist.broadcast_object_list(shared, src=0)
         problem, token = shared
     if problem is not None:
-        raise save_error(problem, final, 0)  # rank 0 prepares the generation's folder
+        raise CheckpointSaveError.wrap(problem, final, 0)  # rank 0 prepares the generation's folder
     if coll:  # a folder other nodes do not see would be a save that never commits
         check_shared(ckpt_dir, staging, token, rank, world)
 
@@ -148,7 +148,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
             raise
     except BaseException as e:
         report_failed(staging, rank, e)  # so that rank 0 does not wait for this rank
-        raise save_error(e, final, rank)
+        raise CheckpointSaveError.wrap(e, final, rank)
     adam_steps = {param_name(i): adam_step(opt, i) for i in plan["infos"]}
     attrs = _manifest(opt, step, world, buffers, frozen, model, state_doc) if rank == 0 else None
 
@@ -162,7 +162,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
             else:
                 wait_for_commit(staging, final, world, commit_timeout_s)
         except BaseException as e:  # an I/O error says which generation and rank
-            raise save_error(e, final, rank)
+            raise CheckpointSaveError.wrap(e, final, rank)
 
     guard(opt, pending)
     pending._run(body)

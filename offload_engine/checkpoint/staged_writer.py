@@ -17,6 +17,7 @@ from ..io.align import ALIGN
 from ..layout import FlatArray
 from ..layout.checksums import SequentialChunkCrc
 from ..units import MiB
+from ..errors import InputError
 
 BLOCK_BYTES = 8 * MiB  # bytes per staged write
 BLOCKS = 4             # staging blocks: one filling while the others are written
@@ -51,7 +52,7 @@ class StagedWriter:
         if start % ALIGN or staging.nbytes % ALIGN:
             # a block may span two chunk files: both pieces stay page-aligned, since chunk
             # files are whole pages
-            raise ValueError(f"{arr.path}: staged writes start at byte {start} with blocks of "
+            raise InputError(f"{arr.path}: staged writes start at byte {start} with blocks of "
                              f"{staging.nbytes} bytes; both must be multiples of {ALIGN}")
         self.arr = arr
         self.staging = staging

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from ..layout.generations import DELETING, LATEST, PARTIAL, SUPERSEDED, generation_name
+from ..errors import InputError
 
 MAX_TAG = 128  # characters
 _ALLOWED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]*")
@@ -19,7 +20,7 @@ def check_tag(tag) -> str:
     no ``/``; not ``latest``, not ending in ``.partial``, no ``.superseded-`` or
     ``.deleting`` in it."""
     if not isinstance(tag, str):
-        raise ValueError(f"tag must be a string, got {type(tag).__name__}")
+        raise InputError(f"tag must be a string, got {type(tag).__name__}")
     why = None
     if not tag:
         why = "it is empty"
@@ -39,7 +40,7 @@ def check_tag(tag) -> str:
     elif SUPERSEDED in tag or DELETING in tag:
         why = f"names holding {SUPERSEDED!r} or {DELETING!r} are set aside by the checkpoint"
     if why:
-        raise ValueError(f"checkpoint tag {tag!r} is not allowed: {why}")
+        raise InputError(f"checkpoint tag {tag!r} is not allowed: {why}")
     return tag
 
 

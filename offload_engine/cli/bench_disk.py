@@ -35,13 +35,14 @@ from ..io.page_cache import evict_and_check
 from ..plan import disk_profile
 from .args import aligned_size, positive_int
 from ..units import MiB, format_bytes
+from ..errors import InputError
 FULL = {"block_sizes": [1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB], "queue_depths": [1, 4, 8, 16, 32],
         "size": 256 * MiB, "repeats": 2}
 QUICK = {"block_sizes": [1 * MiB, 8 * MiB], "queue_depths": [1, 4, 16], "size": 64 * MiB,
          "repeats": 1}
 
 
-class DiskBenchError(ValueError):
+class DiskBenchError(InputError):
     """Bad directory, sizes or lists: one line, exit code 2."""
 
 

@@ -17,15 +17,17 @@ import threading
 import time
 import numpy as np
 from ..io import AsyncFileIO, BufferPool, probe_direct  # noqa: F401 (probe_direct: for bench_io)
+from ..io.errors import FileIOError
 from ..io.page_cache import evict_and_check, sync_tree
 from ..layout import FlatArray
 from ..units import format_bytes
+from ..errors import InputError
 
 
 ITEMSIZE = 4  # float32
 
 
-class BenchError(ValueError):
+class BenchError(InputError):
     """A problem the user can act on (bad directory, no space, bad sizes): one line, exit 2."""
 
 # --------------------------------------------------------------------------------------------
@@ -259,8 +261,8 @@ class ODirectLoopBench:
                         else:
                             n = os.preadv(fd, [view[done:]], off + done)
                         if n <= 0:
-                            raise OSError(errno.EIO, f"{'write' if write else 'read'} moved no "
-                                                     f"bytes at offset {off + done} of {self.path}")
+                            raise FileIOError(errno.EIO, "write" if write else "read", self.path,
+                                              off + done, self.bs - done, detail="moved no bytes")
                         done += n
             except BaseException as e:
                 errors.append(e)

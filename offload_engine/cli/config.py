@@ -15,6 +15,7 @@ import textwrap
 
 from ..layout.metadata import replacing
 from ..plan.deepspeed_config import load
+from ..errors import InputError
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _write_json(path: str, data: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise ValueError(f"{path}: the folder {directory} does not exist")
+        raise InputError(f"{path}: the folder {directory} does not exist")
     with replacing(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(data, indent=2) + "\n")

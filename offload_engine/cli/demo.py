@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from ..units import format_bytes
+from ..errors import InputError
 
 PRESET_NAMES = ("medium", "small", "tiny")  # offload_engine.demo.model.PRESETS
 
@@ -81,7 +82,7 @@ def run(args) -> int:
     from .main import main as cli_main
 
     if args.world_size < 1 or args.steps < 4:
-        raise ValueError("--world-size must be >= 1 and --steps >= 4")
+        raise InputError("--world-size must be >= 1 and --steps >= 4")
     base = args.store or tempfile.mkdtemp(prefix="offload-engine-demo-", dir=os.getcwd())
     os.makedirs(base, exist_ok=True)
     t_start = time.perf_counter()

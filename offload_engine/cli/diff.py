@@ -15,6 +15,7 @@ from ..formats import KIND_LABELS
 from ..offline.diff import diff_sources
 from .inspect import _num, _table, open_input
 from .progress import ProgressLine
+from ..errors import InputError
 
 EXIT_DIFFERENT = 1
 
@@ -59,13 +60,13 @@ def _mode(states):
     if states == ["all"]:
         return "all"
     if "weights" in states or "all" in states:
-        raise ValueError("--state weights and --state all cannot be combined with other states")
+        raise InputError("--state weights and --state all cannot be combined with other states")
     return states
 
 
 def run(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
-        raise ValueError("--rtol and --atol must be >= 0")
+        raise InputError("--rtol and --atol must be >= 0")
     mode = _mode(args.state)
     with open_input(args.a, args.generation_a) as a, open_input(args.b, args.generation_b) as b:
         progress = ProgressLine(label="diff") if sys.stderr.isatty() else None

@@ -12,6 +12,7 @@ import json
 import sys
 
 from ..offline.hf_shards import parse_size
+from ..errors import InputError
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from ..offline.ds_import import from_deepspeed
 
     if args.world_size < 1:
-        raise ValueError(f"--world-size must be at least 1, not {args.world_size}")
+        raise InputError(f"--world-size must be at least 1, not {args.world_size}")
     summary = from_deepspeed(args.ckpt, args.out, args.world_size, tag=args.tag,
                              model_config=args.model_config,
                              window_bytes=parse_size(args.window_size))

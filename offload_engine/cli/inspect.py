@@ -20,6 +20,7 @@ from ..offline.health import health_summary
 from ..offline.select import name_matches, select
 from ..units import format_bytes, parse_bytes
 from .progress import ProgressLine
+from ..errors import InputError
 
 EXIT_NONFINITE = 3
 MAX_FILES_SHOWN = 12
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     ranks = store_root_ranks(args.path) if args.generation is None else []
     if ranks and args.plot:
-        raise ValueError(f"--plot draws one store: pass one rank's folder (e.g. "
+        raise InputError(f"--plot draws one store: pass one rank's folder (e.g. "
                          f"{ranks[0][1]}), not the store root")
     if ranks:  # a store root: each rank's store, in rank order
         results = [(r, inspect_one(d, None, args, window)) for r, d in ranks]

@@ -1,18 +1,28 @@
 """`offload-engine` command line: one module per subcommand, each with ``add_parser`` and ``run``.
 
-Exit codes: 0 success, 1 a check failed (e.g. diff found differences), 2 bad input or usage.
-Errors the user can act on print one line to stderr, no traceback (``--debug`` shows it).
+Exit codes: 0 success, 1 a check failed (e.g. diff found differences), 2 bad input or usage,
+70 an internal error (a bug), 130 interrupted, 141 the reader of stdout went away.
+
+Errors the user can act on print one line to stderr, no traceback (``--debug`` shows it):
+the project's own errors (``errors.OffloadEngineError``: bad input, a full disk, a second
+writer) and the operating system refusing a named path (``OSError`` with a file name and
+an errno of the machine's state: missing, not permitted, full, read-only...). Anything else
+is a bug in offload-engine: its traceback is shown with a line asking to report it, so it
+is never mistaken for a user's mistake.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
 import sys
+import traceback
 
 from .. import __version__
+from ..errors import InputError, OffloadEngineError
 
 # subcommand name -> module under offload_engine.cli
 COMMANDS = {
@@ -28,10 +38,21 @@ COMMANDS = {
 }
 
 
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE: an internal software error
+EXIT_INTERRUPTED = 130
 EXIT_CLOSED_PIPE = 141
 
+# errnos that describe the machine or the path the user named, not our code
+_ENVIRONMENT_ERRNOS = frozenset({
+    errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+    errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY, errno.ENAMETOOLONG,
+    errno.ELOOP, errno.EIO, errno.EMFILE, errno.ENFILE, errno.EXDEV, errno.EBUSY,
+    errno.ETXTBSY, errno.EFBIG, errno.ENXIO, errno.ENODEV, errno.EINVAL,
+})
 
-class UserError(Exception):
+
+class UserError(InputError):
     """An error caused by input the user gave: printed as one line, exit code 2."""
 
 
@@ -75,13 +96,29 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except BrokenPipeError:
         return _closed_pipe()
-    except (UserError, OSError, ValueError) as e:
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - sorted into the user's and ours just below
         if args.debug:
             raise
-        print(f"offload-engine {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        if is_user_facing(e):
+            print(f"offload-engine {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        traceback.print_exc()
+        print(f"offload-engine {args.command}: internal error ({type(e).__name__}): this is a "
+              f"bug in offload-engine, not in your input; please report it with the "
+              f"traceback above and the command you ran", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
+
+
+def is_user_facing(error: BaseException) -> bool:
+    """True for an error the user can act on, printed as one line: one of the project's
+    own, or the operating system refusing a path the user named (it carries the file name
+    and an errno that describes the machine, not our code)."""
+    if isinstance(error, OffloadEngineError):
+        return True
+    return (isinstance(error, OSError) and error.filename is not None
+            and error.errno in _ENVIRONMENT_ERRNOS)
 
 
 def _closed_pipe() -> int:

@@ -15,6 +15,7 @@ import os
 from .args import aligned_size, byte_size, positive_int
 from ..store.config import default as store_default
 from ..units import MiB, format_bytes, parse_bytes
+from ..errors import InputError
 
 # the byte model (torch, the optimizer's code) is imported when the command runs, so that
 # building the parser for other subcommands does not pay for it
@@ -102,7 +103,7 @@ def machine_from_args(args):
     devices: dict[int, str] = {}
     for path in m.nvme_paths:
         if not os.path.isdir(path):
-            raise ValueError(f"--nvme {path}: not an existing directory")
+            raise InputError(f"--nvme {path}: not an existing directory")
         devices.setdefault(os.stat(path).st_dev, path)
     if devices:
         import shutil
@@ -127,7 +128,7 @@ def machine_from_args(args):
         m.nvme_drive_bytes = args.nvme_capacity
     if args.read_gbps is not None or args.write_gbps is not None:
         if not (args.read_gbps and args.write_gbps and args.read_gbps > 0 and args.write_gbps > 0):
-            raise ValueError("--read-gbps and --write-gbps go together and must be positive")
+            raise InputError("--read-gbps and --write-gbps go together and must be positive")
         m.read_gbps, m.write_gbps, m.bandwidth_source = args.read_gbps, args.write_gbps, "given"
     return m
 
@@ -174,7 +175,7 @@ def run(args) -> int:
     from ..plan.mesh import check_nodes, parse_mesh
     mesh = parse_mesh(args.mesh, args.world_size) if args.mesh else None
     if mesh is None and args.world_size is None:
-        raise ValueError("--world-size is needed (or --mesh)")
+        raise InputError("--world-size is needed (or --mesh)")
     if mesh is not None:
         check_nodes(mesh, args.gpus_per_node)
     model = load_model(args.model)
@@ -185,7 +186,7 @@ def run(args) -> int:
                        device="cpu" if args.param_offload or args.device == "cpu" else "cuda",
                        gpu=args.device == "cuda")
     if args.prefetch_depth < 0:
-        raise ValueError("--prefetch-depth must be >= 0")
+        raise InputError("--prefetch-depth must be >= 0")
     machine = machine_from_args(args)
     workload = Workload(step_time_s=args.step_time, tokens_per_step=args.tokens_per_step,
                         gpu_tflops=args.gpu_tflops, mfu=args.mfu, activations=args.activations,

@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 import torch.multiprocessing as mp
+from ..errors import OperationTimeoutError, ProcessFailedError
 
 
 @dataclass
@@ -170,9 +171,9 @@ def launch(cfg: TrainConfig, on_step=None, timeout_s: float = 900) -> dict:
                 except queue.Empty:
                     if any(p.exitcode not in (None, 0) for p in procs):
                         codes = [p.exitcode for p in procs]
-                        raise RuntimeError(f"a training process failed (exit codes {codes})")
+                        raise ProcessFailedError(f"a training process failed (exit codes {codes})")
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"training did not finish in {timeout_s:.0f} s")
+                        raise OperationTimeoutError(f"training did not finish in {timeout_s:.0f} s")
                     continue
                 if rec.get("done"):
                     done = True

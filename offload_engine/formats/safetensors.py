@@ -26,6 +26,7 @@ from ..io.align import as_byte_view
 from ..layout.metadata import parse_json_object
 from .errors import FormatError
 from .source import TensorSource, SourceInfo, TensorMeta
+from ..errors import InputError
 
 MAX_HEADER = 100 * 1000 * 1000  # bytes: the safetensors crate's limit
 # Dimensions of one tensor, and a size in one: torch's limits (64 dimensions in its kernels,
@@ -69,7 +70,7 @@ def encode_header(entries: dict[str, HeaderEntry], metadata: dict[str, str]) -> 
     doc: dict = {"__metadata__": dict(metadata)}
     for name, e in entries.items():
         if e.dtype.safetensors is None:
-            raise ValueError(f"{name}: dtype {e.dtype} has no safetensors code")
+            raise InputError(f"{name}: dtype {e.dtype} has no safetensors code")
         doc[name] = {"dtype": e.dtype.safetensors, "shape": list(e.shape),
                      "data_offsets": [e.begin, e.end]}
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")

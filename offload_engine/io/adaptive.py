@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .settings import DirectionSettings
+from ..errors import InputError
 
 
 @dataclass
@@ -35,7 +36,7 @@ class AdaptiveIO:
 
     def __post_init__(self):
         if not self.candidates:
-            raise ValueError("AdaptiveIO needs at least one candidate setting")
+            raise InputError("AdaptiveIO needs at least one candidate setting")
         uniq = []
         for c in self.candidates:
             if not any(_same(c, u) for u in uniq):

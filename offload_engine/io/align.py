@@ -16,6 +16,7 @@ import os
 import sys
 
 from ..units import MiB, PAGE
+from ..errors import InputError
 
 ALIGN = PAGE  # bytes: O_DIRECT alignment of addresses, offsets and lengths
 HUGE_PAGE = 2 * MiB  # bytes: an x86-64 / arm64 (4 KiB granule) transparent huge page
@@ -87,9 +88,9 @@ def as_byte_view(buffer) -> memoryview:
     torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
     if torch is not None and isinstance(buffer, torch.Tensor):
         if buffer.device.type != "cpu":
-            raise ValueError(f"file I/O needs a CPU tensor, got one on {buffer.device}")
+            raise InputError(f"file I/O needs a CPU tensor, got one on {buffer.device}")
         if not buffer.is_contiguous():
-            raise ValueError("file I/O needs a contiguous tensor")
+            raise InputError("file I/O needs a contiguous tensor")
         flat = buffer.reshape(-1)
         if flat.numel() == 0:
             return memoryview(bytearray(0))
@@ -97,11 +98,11 @@ def as_byte_view(buffer) -> memoryview:
     if np is not None and isinstance(buffer, np.ndarray):
         # bytes first: numpy cannot export ml_dtypes' types (bfloat16) through the buffer protocol
         if not buffer.flags.c_contiguous:
-            raise ValueError("file I/O needs a contiguous array")
+            raise InputError("file I/O needs a contiguous array")
         return memoryview(buffer.reshape(-1).view(np.uint8))
     view = memoryview(buffer)
     if not view.c_contiguous:
-        raise ValueError("file I/O needs a contiguous buffer")
+        raise InputError("file I/O needs a contiguous buffer")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 

@@ -23,6 +23,7 @@ import weakref
 from .align import ALIGN, address_of, aligned_host_region, round_up
 from .extents import Extents
 from .errors import PoolExhaustedError, RequestTooLargeError
+from ..errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class PooledBuffer:
         if numel is None:
             numel = self.nbytes // itemsize
         if numel * itemsize > self.capacity:
-            raise ValueError(f"{numel} elements of {dtype} need {numel * itemsize} bytes; "
+            raise InputError(f"{numel} elements of {dtype} need {numel * itemsize} bytes; "
                              f"buffer holds {self.capacity}")
         raw = self.pool._arena[self.offset:self.offset + numel * itemsize]
         return raw.view(dtype)
@@ -66,7 +67,7 @@ class PooledBuffer:
         self._check()
         n = self.nbytes if nbytes is None else nbytes
         if n > self.capacity:
-            raise ValueError(f"{n} bytes exceed the buffer's {self.capacity}")
+            raise InputError(f"{n} bytes exceed the buffer's {self.capacity}")
         return self.pool._view[self.offset:self.offset + n]
 
     def data_ptr(self) -> int:
@@ -79,7 +80,7 @@ class PooledBuffer:
 
     def _check(self) -> None:
         if self._released:
-            raise RuntimeError("use of a pooled buffer after release")
+            raise UsageError("use of a pooled buffer after release")
 
     def __enter__(self) -> "PooledBuffer":
         return self
@@ -103,7 +104,7 @@ class BufferPool:
 
     def __init__(self, budget_bytes: int, *, pin: bool | None = None):
         if budget_bytes <= 0:
-            raise ValueError(f"buffer pool budget must be positive, got {budget_bytes} bytes")
+            raise InputError(f"buffer pool budget must be positive, got {budget_bytes} bytes")
         self.capacity = round_up(budget_bytes)
         self._mmap = aligned_host_region(self.capacity)
         self._view = memoryview(self._mmap)
@@ -129,7 +130,7 @@ class BufferPool:
         if tensor is None:
             with self._cond:
                 if self._closed:
-                    raise RuntimeError("buffer pool is closed")
+                    raise UsageError("buffer pool is closed")
                 if self._tensor is None:
                     import torch
 
@@ -155,10 +156,10 @@ class BufferPool:
 
         self._pin_undecided = False
         if not torch.cuda.is_available():
-            raise RuntimeError("pin=True asks for CUDA-pinned memory, but CUDA is not available")
+            raise UsageError("pin=True asks for CUDA-pinned memory, but CUDA is not available")
         rc = torch.cuda.cudart().cudaHostRegister(self.address, self.capacity, 0)
         if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.capacity} bytes failed with code {int(rc)}")
+            raise UsageError(f"cudaHostRegister of {self.capacity} bytes failed with code {int(rc)}")
         self.pinned = True
         # A pool dropped without close() must not leave its range registered: the arena is
         # unmapped with the pool, and the next mapping at that address could not be pinned
@@ -203,14 +204,14 @@ class BufferPool:
 
     def _need(self, nbytes: int) -> int:
         if nbytes < 0:
-            raise ValueError(f"negative request: {nbytes} bytes")
+            raise InputError(f"negative request: {nbytes} bytes")
         need = max(round_up(nbytes), ALIGN)
         if need > self.capacity:
             raise RequestTooLargeError(
                 f"request of {nbytes} bytes can never fit in the buffer pool's budget of "
                 f"{self.capacity} bytes")
         if self._closed:
-            raise RuntimeError("buffer pool is closed")
+            raise UsageError("buffer pool is closed")
         return need
 
     def _take(self, nbytes: int, need: int) -> PooledBuffer | None:
@@ -220,10 +221,10 @@ class BufferPool:
     def release(self, buf: PooledBuffer) -> None:
         """Return ``buf``'s extent to the free list, merging with its neighbours."""
         if buf.pool is not self:
-            raise ValueError("buffer belongs to another pool")
+            raise InputError("buffer belongs to another pool")
         with self._cond:
             if buf._released:
-                raise RuntimeError(f"{buf!r} released twice")
+                raise UsageError(f"{buf!r} released twice")
             buf._released = True
             self._extents.give(buf.offset, buf.capacity)
             self._cond.notify_all()

@@ -19,6 +19,7 @@ cached entry (docs/store.md, "I/O settings").
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import uuid
 from ..units import MiB
 from . import syscalls
 from .align import ALIGN
+from .errors import FileIOError
 from .settings import DEFAULT, DIRECTIONS, DirectionSettings
 
 log = logging.getLogger(__name__)
@@ -303,7 +305,8 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
                                                               DEFAULT.block_bytes, 1)]
     free = shutil.disk_usage(path).free
     if free < size + 64 * MiB:
-        raise OSError(f"{path}: {free} bytes free, the probe needs {size + 64 * MiB}")
+        raise FileIOError(errno.ENOSPC, "probe", path, detail=f"{free} bytes free, the probe "
+                          f"needs {size + 64 * MiB}")
     workdir = tempfile.mkdtemp(prefix=".oe-io-probe-", dir=path)
     file = os.path.join(workdir, "data")
     runs = [{"write": [], "read": []} for _ in cases]  # per case: (wall, cpu) seconds per pass

@@ -25,6 +25,7 @@ import errno as _errno
 import os
 import sys
 import threading
+from ..errors import InputError, UsageError
 
 # what a call does, as FaultPlan.kind names it
 KINDS = ("open", "read", "write", "sync", "allocate", "truncate", "rename", "mkdir",
@@ -64,7 +65,7 @@ class FaultPlan:
                  errno: int = _errno.ENOSPC, times: int | None = 1, under: str | None = None,
                  label=None):
         if kind is not None and kind not in KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; one of {KINDS}")
+            raise InputError(f"unknown fault kind {kind!r}; one of {KINDS}")
         self.kind, self.site, self.nth, self.errno, self.times = kind, site, nth, errno, times
         self.under = None if under is None else os.path.join(os.path.abspath(under), "")
         self.label = label
@@ -115,7 +116,7 @@ def arm(plan: FaultPlan) -> None:
     """Make ``plan`` the process's fault plan (tests only)."""
     global _plan
     if _plan is not None and _plan is not plan:
-        raise RuntimeError("a fault plan is already armed")
+        raise UsageError("a fault plan is already armed")
     _plan = plan
 
 

@@ -42,6 +42,7 @@ from .align import ALIGN, address_of, as_byte_view, is_aligned
 from . import syscalls
 from .errors import FileIOError, TruncatedFileError
 from .settings import DIRECTIONS, DirectionSettings
+from ..errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +157,9 @@ class AsyncFileIO:
                  direct: bool | None = None, max_open_files: int = 256,
                  read: DirectionSettings | None = None, write: DirectionSettings | None = None):
         if threads < 1 or queue_depth < 1:
-            raise ValueError("threads and queue_depth must be >= 1")
+            raise InputError("threads and queue_depth must be >= 1")
         if block_size <= 0 or block_size % ALIGN:
-            raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size}")
+            raise InputError(f"block_size must be a positive multiple of {ALIGN}, got {block_size}")
         self.threads = threads
         self.direct = direct
         self.max_open_files = max_open_files
@@ -208,7 +209,7 @@ class AsyncFileIO:
         """Change ``op``'s mode, queue depth or block size from now on (requests already
         queued keep their pieces; each piece takes the mode in force when it starts)."""
         if op not in DIRECTIONS:
-            raise ValueError(f"op must be one of {DIRECTIONS}, got {op!r}")
+            raise InputError(f"op must be one of {DIRECTIONS}, got {op!r}")
         if self.direct is not None:
             settings = settings.with_(mode="direct" if self.direct else "buffered")
         with self._queue_cv:
@@ -313,10 +314,10 @@ class AsyncFileIO:
     # -- request splitting ---------------------------------------------------------------
     def _submit(self, op: str, path, offset: int, buffer, length: int | None, sync: bool) -> IOFuture:
         if self._closed:
-            raise RuntimeError("AsyncFileIO is closed")
+            raise UsageError("AsyncFileIO is closed")
         path = os.fspath(path)
         if offset < 0:
-            raise ValueError(f"negative offset {offset} for {path}")
+            raise InputError(f"negative offset {offset} for {path}")
         keepalive = buffer
         if hasattr(buffer, "memoryview") and hasattr(buffer, "pool"):  # PooledBuffer
             view = buffer.memoryview()
@@ -324,10 +325,10 @@ class AsyncFileIO:
             view = as_byte_view(buffer)
         if length is not None:
             if length > len(view):
-                raise ValueError(f"{op} of {length} bytes into a buffer of {len(view)} bytes ({path})")
+                raise InputError(f"{op} of {length} bytes into a buffer of {len(view)} bytes ({path})")
             view = view[:length]
         if op == "read" and view.readonly:
-            raise ValueError(f"read from {path} into a read-only buffer")
+            raise InputError(f"read from {path} into a read-only buffer")
         fut = IOFuture()
         fut.set_running_or_notify_cancel()
         nbytes = len(view)

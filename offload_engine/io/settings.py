@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ..units import MiB
+from ..errors import InputError
 
 MODES = ("direct", "buffered")
 DIRECTIONS = ("read", "write")
@@ -36,13 +37,13 @@ class DirectionSettings:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"I/O mode must be one of {MODES}, got {self.mode!r}")
+            raise InputError(f"I/O mode must be one of {MODES}, got {self.mode!r}")
         if self.queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
+            raise InputError(f"queue_depth must be >= 1, got {self.queue_depth}")
         if self.streams < 1:
-            raise ValueError(f"streams must be >= 1, got {self.streams}")
+            raise InputError(f"streams must be >= 1, got {self.streams}")
         if self.block_bytes <= 0 or self.block_bytes % 4096:
-            raise ValueError(f"block size must be a positive multiple of 4096 bytes, got "
+            raise InputError(f"block size must be a positive multiple of 4096 bytes, got "
                              f"{self.block_bytes}")
 
     def with_(self, **changes) -> "DirectionSettings":

@@ -20,11 +20,12 @@ import numpy as np
 
 from ..io.align import as_byte_view
 from ..units import MiB
+from ..errors import InputError
 
 PIECE = 8 * MiB  # bytes of zeros checksummed at a time
 
 
-class ChecksumError(ValueError):
+class ChecksumError(InputError):
     """A chunk file that does not match what the checkpoint recorded at save time: other
     bytes, missing although it had data, or present although it had none."""
 

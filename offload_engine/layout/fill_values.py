@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from ..dtypes import DType
+from ..errors import InputError
 
 _PYTHON_TYPE = {"bool": bool, "int": int, "uint": int, "float": float}
 
@@ -28,27 +29,27 @@ def fill_to_bytes(t: DType, value) -> bytes:
     """
     if t.kind == "bool":
         if not isinstance(value, bool):
-            raise ValueError(f"bool fill value must be true or false, got {value!r}")
+            raise InputError(f"bool fill value must be true or false, got {value!r}")
         return bytes([int(value)])
     if t.kind in ("int", "uint"):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{t.name} fill value must be an integer, got {value!r}")
+            raise InputError(f"{t.name} fill value must be an integer, got {value!r}")
         bits = 8 * t.itemsize
         lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if t.kind == "int" else (0, (1 << bits) - 1)
         if not lo <= value <= hi:
-            raise ValueError(f"fill value {value} out of range for {t.name}")
+            raise InputError(f"fill value {value} out of range for {t.name}")
         return int(value).to_bytes(t.itemsize, "little", signed=t.kind == "int")
     if isinstance(value, str) and value.startswith("0x"):
         digits = value[2:]
         if len(digits) != 2 * t.itemsize:
-            raise ValueError(f"hex fill value {value!r} for {t.name} needs "
+            raise InputError(f"hex fill value {value!r} for {t.name} needs "
                              f"{2 * t.itemsize} hex digits")
         return int(digits, 16).to_bytes(t.itemsize, "little")
     specials = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
     if isinstance(value, str) and value in specials:
         value = specials[value]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{t.name} fill value must be a number, 'NaN', 'Infinity', "
+        raise InputError(f"{t.name} fill value must be a number, 'NaN', 'Infinity', "
                          f"'-Infinity' or a hex bit pattern, got {value!r}")
     if value == 0 and math.copysign(1.0, value) > 0:
         return bytes(t.itemsize)  # +0.0 is all zero bits in every float type

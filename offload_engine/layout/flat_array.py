@@ -35,6 +35,7 @@ from .fill_values import bytes_to_scalar, fill_pattern
 from .metadata import (ArrayMetadata, ForeignArrayError, MetadataError, NodeNotFoundError,
                        fsync_dir, metadata_path, new_array_doc, parse_array, json_attributes,
                        read_node, write_json_atomic)
+from ..errors import InputError, PathExistsError
 
 DEFAULT_CHUNK_BYTES = 64 * MiB
 
@@ -109,17 +110,17 @@ class FlatArray:
         path = os.fspath(path)
         element = dtypes.dtype(dtype)
         if not element.zarr:
-            raise ValueError(f"array {path}: dtype {element} cannot be stored in a zarr v3 "
+            raise InputError(f"array {path}: dtype {element} cannot be stored in a zarr v3 "
                              f"array here; supported: {', '.join(dtypes.ZARR_NAMES)}")
         numel = _count(numel, "numel", path)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) \
                 or chunk_bytes <= 0 or chunk_bytes % PAGE:
-            raise ValueError(f"array {path}: chunk_bytes must be a positive multiple of "
+            raise InputError(f"array {path}: chunk_bytes must be a positive multiple of "
                              f"{PAGE} bytes, got {chunk_bytes!r}")
         chunk_bytes = chunk_bytes_for(numel, element.itemsize, chunk_bytes)
         attributes = json_attributes(attributes or {}, f"array {path}")
         if not isinstance(dimension_name, str) or not dimension_name:
-            raise ValueError(f"array {path}: dimension_name must be a non-empty string, "
+            raise InputError(f"array {path}: dimension_name must be a non-empty string, "
                              f"got {dimension_name!r}")
         made = _prepare_directory(path, io, overwrite)
         doc = new_array_doc(numel, element, chunk_bytes // element.itemsize, attributes,
@@ -150,7 +151,7 @@ class FlatArray:
         engine cannot serve.
         """
         if mode not in ("r", "r+"):
-            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+            raise InputError(f"mode must be 'r' or 'r+', got {mode!r}")
         path = os.fspath(path)
         return cls(parse_array(path, read_node(path, "array", metadata_crc32c)), io, mode)
 
@@ -230,7 +231,7 @@ class FlatArray:
     def chunk_path(self, i: int) -> str:
         """File of chunk ``i`` (0 <= i < nchunks), e.g. ``<path>/c/3``."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.nchunks:
-            raise ValueError(f"array {self.path}: chunk index {i!r} outside [0, {self.nchunks})")
+            raise InputError(f"array {self.path}: chunk index {i!r} outside [0, {self.nchunks})")
         return os.path.join(self.path, self._meta.chunk_key(i))
 
     def _chunk_dir(self) -> str:
@@ -311,7 +312,7 @@ class FlatArray:
         """Write ``tensor`` (a torch tensor, flattened) at element ``start``; waits for the I/O."""
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"array {self.path}: write() takes a tensor, got {type(tensor).__name__}")
+            raise InputError(f"array {self.path}: write() takes a tensor, got {type(tensor).__name__}")
         flat = tensor.detach().reshape(-1)
         if flat.device.type != "cpu":
             flat = flat.cpu()
@@ -329,7 +330,7 @@ class FlatArray:
         """Merge ``attributes`` into zarr.json ``attributes`` (like dict.update) and rewrite
         zarr.json atomically (temp file, fsync, rename); every other field is kept as is."""
         if self._mode != "r+":
-            raise ValueError(f"array {self.path} is open read-only (mode 'r'); "
+            raise InputError(f"array {self.path} is open read-only (mode 'r'); "
                              f"open it with mode='r+' to update attributes")
         doc = dict(self._meta.doc)
         doc["attributes"] = {**self._meta.attributes,
@@ -342,13 +343,13 @@ class FlatArray:
         start = _count(start, "start", self.path)
         stop = _count(stop, "stop", self.path)
         if not start <= stop <= self.numel:
-            raise ValueError(f"array {self.path}: element range [{start}, {stop}) is not "
+            raise InputError(f"array {self.path}: element range [{start}, {stop}) is not "
                              f"within [0, {self.numel}]")
         return start, stop
 
     def _check_writable(self) -> None:
         if self._mode != "r+":
-            raise ValueError(f"array {self.path} is open read-only (mode 'r'); "
+            raise InputError(f"array {self.path} is open read-only (mode 'r'); "
                              f"open it with mode='r+' to write")
         if not self.direct:
             raise ForeignArrayError(f"array {self.path}: cannot write: "
@@ -360,45 +361,45 @@ class FlatArray:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(buf, torch.Tensor):
             if dtypes.lookup(buf.dtype) != self.element:
-                raise ValueError(f"{where} has dtype {buf.dtype}, the array holds "
+                raise InputError(f"{where} has dtype {buf.dtype}, the array holds "
                                  f"{self.element}")
             if buf.device.type != "cpu":
-                raise ValueError(f"{where} is on {buf.device}; file I/O needs a CPU tensor")
+                raise InputError(f"{where} is on {buf.device}; file I/O needs a CPU tensor")
             if not buf.is_contiguous():
-                raise ValueError(f"{where} is not contiguous")
+                raise InputError(f"{where} is not contiguous")
             if buf.numel() * self.itemsize < nbytes:
-                raise ValueError(f"{where} has {buf.numel()} elements; the range needs "
+                raise InputError(f"{where} has {buf.numel()} elements; the range needs "
                                  f"{nbytes // self.itemsize}")
             view = as_byte_view(buf)
         elif isinstance(buf, np.ndarray):
             # raw bytes (uint8), or elements of the array's own type (a bfloat16 array of
             # ml_dtypes included: numpy cannot export it through the buffer protocol)
             if buf.dtype != np.uint8 and dtypes.lookup(buf.dtype) != self.element:
-                raise ValueError(f"{where} has dtype {buf.dtype}, the array holds "
+                raise InputError(f"{where} has dtype {buf.dtype}, the array holds "
                                  f"{self.element}")
             if not buf.flags.c_contiguous:
-                raise ValueError(f"{where} is not contiguous")
+                raise InputError(f"{where} is not contiguous")
             view = as_byte_view(buf)
             if len(view) < nbytes:
-                raise ValueError(f"{where} holds {len(view)} bytes; the range needs {nbytes}")
+                raise InputError(f"{where} holds {len(view)} bytes; the range needs {nbytes}")
         elif isinstance(buf, PooledBuffer):
             if buf.nbytes < nbytes:
-                raise ValueError(f"{where} is a pooled buffer of {buf.nbytes} bytes; the range "
+                raise InputError(f"{where} is a pooled buffer of {buf.nbytes} bytes; the range "
                                  f"needs {nbytes}")
             view = buf.memoryview(nbytes)
         else:
             try:
                 view = memoryview(buf)
             except TypeError:
-                raise ValueError(f"{where} must be a tensor, a PooledBuffer or a buffer, got "
+                raise InputError(f"{where} must be a tensor, a PooledBuffer or a buffer, got "
                                  f"{type(buf).__name__}") from None
             if not view.c_contiguous:
-                raise ValueError(f"{where} is not a contiguous buffer")
+                raise InputError(f"{where} is not a contiguous buffer")
             view = view.cast("B") if (view.format, view.ndim) != ("B", 1) else view
             if len(view) < nbytes:
-                raise ValueError(f"{where} holds {len(view)} bytes; the range needs {nbytes}")
+                raise InputError(f"{where} holds {len(view)} bytes; the range needs {nbytes}")
         if writable and view.readonly:
-            raise ValueError(f"{where} is read-only")
+            raise InputError(f"{where} is read-only")
         return view[:nbytes]
 
     def _spans(self, start: int, stop: int):
@@ -510,7 +511,7 @@ class FlatArray:
 
 def _count(value, name: str, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"array {path}: {name} must be a non-negative integer, got {value!r}")
+        raise InputError(f"array {path}: {name} must be a non-negative integer, got {value!r}")
     return int(value)
 
 
@@ -543,16 +544,16 @@ def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> bool:
         _makedirs(path)
         return True
     if not os.path.isdir(path):
-        raise FileExistsError(f"cannot create array at {path}: a file is in the way")
+        raise PathExistsError(f"cannot create array at {path}: a file is in the way")
     if os.path.exists(metadata_path(path)):
         if not overwrite:
-            raise FileExistsError(f"cannot create array at {path}: a zarr node is already "
+            raise PathExistsError(f"cannot create array at {path}: a zarr node is already "
                                   f"there (pass overwrite=True to replace an array)")
         try:
             old = FlatArray.open(path, io=io)
             old_chunks = [old.chunk_path(i) for i in range(old.nchunks)]
         except (MetadataError, ForeignArrayError) as e:
-            raise FileExistsError(f"cannot overwrite {path}: it is not an array the engine "
+            raise PathExistsError(f"cannot overwrite {path}: it is not an array the engine "
                                   f"can replace ({e})") from None
         for chunk in old_chunks:
             io.forget(chunk)  # a cached descriptor would keep writing to the deleted file
@@ -564,7 +565,7 @@ def _prepare_directory(path: str, io: AsyncFileIO, overwrite: bool) -> bool:
         _makedirs(path)
         return True
     if os.listdir(path):
-        raise FileExistsError(f"cannot create array at {path}: the directory is not empty "
+        raise PathExistsError(f"cannot create array at {path}: the directory is not empty "
                               f"and holds no zarr.json")
     return False
 

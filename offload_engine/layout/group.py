@@ -16,6 +16,7 @@ from ..io.errors import FileIOError
 from .metadata import (MetadataError, NodeNotFoundError, compact_json, metadata_path, parse_node,
                        read_node, read_node_bytes, write_text_atomic)
 from .metadata_crc import SEAL_KEY, check_crc32c, check_seal, seal, unsealed_attributes
+from ..errors import InputError, PathExistsError
 
 
 def group_doc(attributes: dict) -> dict:
@@ -28,7 +29,7 @@ def _group_text(doc: dict, path, sealed: bool = False) -> str:
     attributes are strict JSON); ``sealed`` ends it with the seal over its bytes
     (``metadata_crc.py``: a committed checkpoint's manifest). Errors name the group."""
     if not isinstance(doc.get("attributes"), dict):
-        raise ValueError(f"group {os.fspath(path)}: attributes must be a dict, got "
+        raise InputError(f"group {os.fspath(path)}: attributes must be a dict, got "
                          f"{type(doc.get('attributes')).__name__}")
     if sealed:
         doc = {**{k: v for k, v in doc.items() if k != "attributes"},
@@ -36,7 +37,7 @@ def _group_text(doc: dict, path, sealed: bool = False) -> str:
     try:
         text = compact_json(doc) + "\n"
     except (TypeError, ValueError) as e:
-        raise ValueError(f"group {os.fspath(path)}: attributes are not JSON-serialisable: "
+        raise InputError(f"group {os.fspath(path)}: attributes are not JSON-serialisable: "
                          f"{e}") from None
     return seal(text) if sealed else text
 
@@ -53,9 +54,9 @@ def create_group(path: str | os.PathLike, attributes: dict | None = None, *,
     if os.path.exists(metadata_path(path)):
         doc = read_node(path, "group")
         if doc["node_type"] != "group":
-            raise FileExistsError(f"cannot create group at {path}: an array is there")
+            raise PathExistsError(f"cannot create group at {path}: an array is there")
         if not exist_ok:
-            raise FileExistsError(f"cannot create group at {path}: a group is already there")
+            raise PathExistsError(f"cannot create group at {path}: a group is already there")
         if attributes is not None:
             write_group_attributes(path, attributes, sealed=sealed)
         return

@@ -22,6 +22,7 @@ from ..io.errors import FileIOError
 from ..units import PAGE  # chunk files of our arrays are a whole number of pages (O_DIRECT)
 from .fill_values import default_fill_json, fill_to_bytes
 from .metadata_crc import check_crc32c
+from ..errors import InputError, OffloadEngineError
 
 ZARR_JSON = "zarr.json"
 
@@ -32,11 +33,11 @@ _REQUIRED_ARRAY_KEYS = ("shape", "data_type", "chunk_grid", "chunk_key_encoding"
                         "fill_value", "codecs")
 
 
-class MetadataError(ValueError):
+class MetadataError(InputError):
     """A zarr.json that is unreadable, not valid JSON, or not valid zarr v3 metadata."""
 
 
-class ForeignArrayError(ValueError):
+class ForeignArrayError(InputError):
     """A valid zarr v3 array using a feature the engine does not serve (this way).
 
     The message names the array and the feature, e.g. "codec 'zstd' is not supported for
@@ -44,7 +45,7 @@ class ForeignArrayError(ValueError):
     """
 
 
-class NodeNotFoundError(FileNotFoundError):
+class NodeNotFoundError(OffloadEngineError, FileNotFoundError):
     """No zarr node (no ``zarr.json``) at a path."""
 
 
@@ -369,9 +370,9 @@ def json_attributes(attributes, what: str) -> dict:
     """A copy of ``attributes``, checked to be a dict that strict JSON can hold; errors
     start with ``what`` (e.g. "array /x" or "group /y")."""
     if not isinstance(attributes, dict):
-        raise ValueError(f"{what}: attributes must be a dict, got {type(attributes).__name__}")
+        raise InputError(f"{what}: attributes must be a dict, got {type(attributes).__name__}")
     try:
         json.dumps(attributes, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what}: attributes are not JSON-serialisable: {e}") from None
+        raise InputError(f"{what}: attributes are not JSON-serialisable: {e}") from None
     return dict(attributes)

@@ -14,6 +14,7 @@ import os
 from .group import create_group, read_group, write_group_attributes
 from .manifest import STORE_FORMAT, STORE_VERSION
 from .metadata import metadata_path
+from ..errors import InputError
 
 # the optimizer's tables share the group, so the store's version says where they are
 STORE_FORMAT_VERSION = STORE_VERSION
@@ -32,7 +33,7 @@ def open_store_group(root: str) -> dict:
         return {}
     attrs = read_group(root)
     if attrs.get("format", STORE_FORMAT) != STORE_FORMAT:
-        raise ValueError(f"{root} holds a zarr group that is not an offload-engine store")
+        raise InputError(f"{root} holds a zarr group that is not an offload-engine store")
     return {k: v for k, v in attrs.items() if k not in STORE_KEYS}
 
 
@@ -48,7 +49,7 @@ def store_group_attributes(arrays: dict[str, dict], stripes: list[str], extra: d
     the NVMe directories, first one the group's."""
     clash = STORE_KEYS & set(extra)
     if clash:
-        raise ValueError(f"manifest keys {sorted(clash)} belong to the store")
+        raise InputError(f"manifest keys {sorted(clash)} belong to the store")
     return {**extra, "format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION,
             "arrays": arrays, "stripes": stripes}
 

@@ -25,6 +25,7 @@ from zarr.core.dtype.common import (DataTypeValidationError, HasEndianness, HasI
                                     check_dtype_spec_v2)
 from zarr.core.dtype.wrapper import ZDType
 from zarr.dtype import data_type_registry
+from ..errors import InputError
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _BF16_NAN_BITS = 0x7FC0
@@ -90,7 +91,7 @@ class BFloat16(ZDType[type(_BF16), ml_dtypes.bfloat16], HasEndianness, HasItemSi
             return {"name": "bfloat16", "object_codec_id": None}
         if zarr_format == 3:
             return self._zarr_v3_name
-        raise ValueError(f"zarr_format must be 2 or 3, got {zarr_format}")
+        raise InputError(f"zarr_format must be 2 or 3, got {zarr_format}")
 
     def _check_scalar(self, data: object) -> bool:
         if isinstance(data, str):

@@ -45,6 +45,7 @@ from ..io import ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, probe_d
 from ..units import MiB
 from .casts import as_torch_view, cast_into
 from .hf_shards import OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor, ShardPlan, index_text, plan_files
+from ..errors import InputError
 
 OUTPUT_DTYPES = ("fp32", "bf16", "fp16")  # what float tensors may be written as (dtypes names)
 
@@ -214,15 +215,15 @@ def plan_output(source: TensorSource, max_shard_bytes: int, dtype=FLOAT32,
     out = []
     for info in written_tensors(source, exclude_frozen):
         if info.name in infos:
-            raise ValueError(f"tensor {info.name!r} appears twice in the source")
+            raise InputError(f"tensor {info.name!r} appears twice in the source")
         infos[info.name] = info
         out.append(OutTensor(info.name, tuple(info.shape), output_dtype(info, dtype)))
     aliases = written_aliases(source, exclude_frozen)
     for alias, owner in aliases.items():
         if owner not in infos:
-            raise ValueError(f"tied weight {alias!r} points at {owner!r}, which is not written")
+            raise InputError(f"tied weight {alias!r} points at {owner!r}, which is not written")
         if alias in infos:
-            raise ValueError(f"tied weight {alias!r} is also a tensor of its own")
+            raise InputError(f"tied weight {alias!r} is also a tensor of its own")
     plans, index = plan_files(out, max_shard_bytes, aliases)
     return plans, index, infos
 

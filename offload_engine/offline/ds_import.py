@@ -31,6 +31,7 @@ from ..formats.errors import FormatError
 from ..formats.source import ReadRequest
 from .import_plan import Disagreement, TensorPlan, plan_tensors
 from .import_writer import WINDOW_BYTES, write_generation
+from ..errors import InputError
 
 IMPORTED = "imported"        # the generation attribute holding what the import carried over
 OFFLOADED = "offloaded_tensors"  # where DeepSpeed copies its NVMe swap files at save time
@@ -120,7 +121,7 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
     whole parameters overlapping each rank's partition, Muon on a non-matrix).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, not {world_size!r}")
+        raise InputError(f"world_size must be a positive integer, not {world_size!r}")
     t0 = time.perf_counter()
     _, tag_dir = resolve_tag_dir(ckpt, tag)
     offloaded = os.path.join(tag_dir, OFFLOADED)

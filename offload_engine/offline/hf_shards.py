@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ..dtypes import DType
 from ..formats.safetensors import INDEX_FILE, HeaderEntry, encode_header
 from ..units import parse_bytes
+from ..errors import InputError
 
 SINGLE_FILE = "model.safetensors"
 # what a previous export into the same folder may have left (removed before publishing)
@@ -36,7 +37,7 @@ def parse_size(text: str | int) -> int:
     "1GiB" (binary) or a plain number of bytes (see ``offload_engine.units``)."""
     value = parse_bytes(text)
     if value <= 0:
-        raise ValueError(f"shard size must be positive, got {text!r}")
+        raise InputError(f"shard size must be positive, got {text!r}")
     return value
 
 
@@ -123,7 +124,7 @@ def plan_files(tensors: list[OutTensor], max_shard_bytes: int,
     """
     for t in tensors:
         if t.dtype.safetensors is None:
-            raise ValueError(f"{t.name}: dtype {t.dtype} has no safetensors code")
+            raise InputError(f"{t.name}: dtype {t.dtype} has no safetensors code")
     groups = split_shards(tensors, max_shard_bytes)
     names = shard_filenames(len(groups))
     plans = []

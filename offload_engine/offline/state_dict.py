@@ -29,6 +29,7 @@ from .consolidate import (ConsolidateResult, Written, consolidate, output_dtype,
                           written_aliases, written_tensors)
 from .hf_extras import copy_extras, find_extras
 from .hf_shards import parse_size
+from ..errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class LazyStateDict(Mapping):
         if info is None:
             raise KeyError(name)
         if not self._closer.alive:
-            raise ValueError(f"{self._source.info.path}: read of {name!r} after close()")
+            raise InputError(f"{self._source.info.path}: read of {name!r} after close()")
         return read_value(self._source, info)
 
     def __iter__(self) -> Iterator[str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from typing import NamedTuple
+from ..errors import InputError
 
 
 class Box(NamedTuple):
@@ -83,13 +84,13 @@ def check_tiling(shape, boxes: list[Box], what: str) -> None:
     distinct = sorted({b for b in boxes if b.numel})
     for b in distinct:
         if len(b.lo) != len(shape) or any(l < 0 or h > s for l, h, s in zip(b.lo, b.hi, shape)):
-            raise ValueError(f"{what}: a rank holds {b}, outside its shape {tuple(shape)}")
+            raise InputError(f"{what}: a rank holds {b}, outside its shape {tuple(shape)}")
     for i, a in enumerate(distinct):
         for b in distinct[i + 1:]:
             if all(max(al, bl) < min(ah, bh) for al, ah, bl, bh in zip(a.lo, a.hi, b.lo, b.hi)):
-                raise ValueError(f"{what}: ranks hold overlapping blocks {a} and {b}")
+                raise InputError(f"{what}: ranks hold overlapping blocks {a} and {b}")
     if sum(b.numel for b in distinct) != math.prod(shape):
-        raise ValueError(f"{what}: the blocks the ranks hold ({', '.join(map(str, distinct))}) "
+        raise InputError(f"{what}: the blocks the ranks hold ({', '.join(map(str, distinct))}) "
                          f"do not cover its shape {tuple(shape)}")
 
 

@@ -15,6 +15,7 @@ import torch
 
 from .muon_defaults import ADJUST_LR_FNS, DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 from .param_rules import default_use_muon
+from ..errors import InputError
 
 # torch.optim.Muon(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ...) in 2.13
 MUON_DEFAULTS = {
@@ -41,7 +42,7 @@ def split_groups(params, rule: Callable = default_use_muon) -> list[dict]:
                         "got a single Tensor")
     items = list(params)
     if not items:
-        raise ValueError("optimizer got an empty parameter list")
+        raise InputError("optimizer got an empty parameter list")
     groups = items if isinstance(items[0], dict) else [{"params": items}]
     out = []
     for g in groups:
@@ -80,38 +81,38 @@ def fill_defaults(group: dict, muon_defaults: dict, adamw_defaults: dict) -> dic
 def _check_muon(g: dict) -> None:
     lr = g["lr"]
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
+        raise InputError("Tensor lr must be 1-element")
     if not 0.0 <= lr:
-        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        raise InputError(f"Learning rate should be >= 0 but is: {lr}")
     if not 0.0 <= g["momentum"]:
-        raise ValueError(f"momentum should be >= 0 but is: {g['momentum']}")
+        raise InputError(f"momentum should be >= 0 but is: {g['momentum']}")
     if not 0.0 <= g["weight_decay"]:
-        raise ValueError(f"weight decay should be >= 0 but is: {g['weight_decay']}")
+        raise InputError(f"weight decay should be >= 0 but is: {g['weight_decay']}")
     if g["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"Adjust learning rate function {g['adjust_lr_fn']} is not supported")
+        raise InputError(f"Adjust learning rate function {g['adjust_lr_fn']} is not supported")
     if g["ns_steps"] >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+        raise InputError("Number of steps must be less than 100 for computational efficiency")
     if len(g["ns_coefficients"]) != 3:
-        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+        raise InputError("Coefficients must be a tuple of exactly 3 values")
 
 
 def _check_adamw(g: dict) -> None:
     lr, eps, (b1, b2), wd = g["lr"], g["eps"], g["betas"], g["weight_decay"]
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
+        raise InputError("Tensor lr must be 1-element")
     if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
+        raise InputError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
+        raise InputError(f"Invalid epsilon value: {eps}")
     if not 0.0 <= b1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {b1}")
+        raise InputError(f"Invalid beta parameter at index 0: {b1}")
     if not 0.0 <= b2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {b2}")
+        raise InputError(f"Invalid beta parameter at index 1: {b2}")
     if not 0.0 <= wd:
-        raise ValueError(f"Invalid weight_decay value: {wd}")
+        raise InputError(f"Invalid weight_decay value: {wd}")
     for k, allowed in _ADAMW_FIXED.items():
         if g.get(k) not in allowed:
-            raise ValueError(f"AdamW option {k}={g.get(k)!r} is not supported by ZeroMuon "
+            raise InputError(f"AdamW option {k}={g.get(k)!r} is not supported by ZeroMuon "
                              f"(it follows torch's default CPU path: {k}={allowed[0]!r})")
 
 

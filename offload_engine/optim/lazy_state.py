@@ -32,6 +32,7 @@ import weakref
 
 import torch
 from torch.utils._pytree import tree_map
+from ..errors import UsageError
 
 
 class Source:
@@ -54,7 +55,7 @@ class Source:
         elif views.pending is not None and views.pending[0] is self:
             values = views.pending[1]
         elif self.opt.store is None:
-            raise RuntimeError(f"state {self.akey.kind.state_key!r} of parameter "
+            raise UsageError(f"state {self.akey.kind.state_key!r} of parameter "
                                f"{self.info.name or self.info.index}: the optimizer was closed")
         else:
             from .state_io import _read_array

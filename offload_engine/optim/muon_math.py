@@ -20,6 +20,7 @@ import math
 import torch
 
 from .muon_defaults import ADJUST_LR_FNS, DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
+from ..errors import InputError
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
@@ -30,7 +31,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     elif adjust_lr_fn == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(rows, cols))
     else:
-        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        raise InputError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     return lr * ratio
 
 
@@ -73,13 +74,13 @@ class NewtonSchulz:
 
     def input(self, rows: int, cols: int) -> torch.Tensor:
         if rows * cols > self.max_numel or min(rows, cols) > self.max_min_dim:
-            raise ValueError(f"a {rows}x{cols} matrix does not fit the Newton-Schulz workspace "
+            raise InputError(f"a {rows}x{cols} matrix does not fit the Newton-Schulz workspace "
                              f"({self.max_numel} elements, min dim {self.max_min_dim})")
         return self._x[:rows * cols].view(rows, cols)
 
     def run(self, rows: int, cols: int, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
         if ns_steps >= 100:
-            raise ValueError("Number of steps must be less than 100 for computational efficiency")
+            raise InputError("Number of steps must be less than 100 for computational efficiency")
         a, b, c = ns_coefficients
         tall = rows > cols
         x = self._x[:rows * cols].view(rows, cols)

@@ -10,6 +10,7 @@ evens out the total. No communication: every rank computes the same answer from 
 from __future__ import annotations
 
 from .muon_defaults import DEFAULT_NS_STEPS
+from ..errors import InputError
 
 
 def ns_flops(rows: int, cols: int, ns_steps: int = DEFAULT_NS_STEPS) -> int:
@@ -22,7 +23,7 @@ def assign_owners(bundles: list[list[tuple[int, int]]], world: int,
                   ns_steps: int = DEFAULT_NS_STEPS) -> list[list[int]]:
     """``bundles[c][j] = (rows, cols)`` of matrix j of bundle c; returns ``owners[c][j]``."""
     if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}")
+        raise InputError(f"world size must be >= 1, got {world}")
     total = [0] * world
     owners = []
     for shapes in bundles:

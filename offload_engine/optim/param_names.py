@@ -15,6 +15,7 @@ import warnings
 
 import torch
 from torch import nn
+from ..errors import InputError
 
 
 def embedding_param_ids(model: nn.Module) -> set[int]:
@@ -46,7 +47,7 @@ def name_params(params, model: nn.Module | None):
         if isinstance(item, tuple):
             return item
         if id(item) not in names:
-            raise ValueError(f"a parameter of shape {list(item.shape)} passed to ZeroMuon is "
+            raise InputError(f"a parameter of shape {list(item.shape)} passed to ZeroMuon is "
                              f"not a parameter of the model given as model=")
         return (names[id(item)], item)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .boxes import Box, check_tiling, row_counts
 from .params import ParamInfo
+from ..errors import InputError
 
 try:
     from torch.distributed.tensor import DTensor, Partial
@@ -42,7 +43,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def flat_local(t: torch.Tensor, what: str) -> torch.Tensor:
     loc = local_tensor(t)
     if not loc.is_contiguous():
-        raise ValueError(f"{what}: the local tensor is not contiguous (strides {loc.stride()}); "
+        raise InputError(f"{what}: the local tensor is not contiguous (strides {loc.stride()}); "
                          "ZeroMuon updates parameters in place as flat element ranges")
     return loc.view(-1)
 
@@ -63,7 +64,7 @@ def check_grad(p, grad, what: str) -> None:
     if not is_dtensor(grad) or tuple(grad.placements) != tuple(p.placements) \
             or grad.device_mesh != p.device_mesh:
         got = placement_of(grad) if is_dtensor(grad) else "a plain tensor"
-        raise ValueError(f"{what}: the gradient is {got}, the parameter {placement_of(p)}; "
+        raise InputError(f"{what}: the gradient is {got}, the parameter {placement_of(p)}; "
                          "redistribute the gradient to the parameter's placements before step()")
 
 
@@ -83,7 +84,7 @@ def exchange_group(infos: list[ParamInfo]):
         if not is_dtensor(p):
             continue
         if any(isinstance(pl, Partial) for pl in p.placements):
-            raise ValueError(f"parameter {info.name or info.index} has placements "
+            raise InputError(f"parameter {info.name or info.index} has placements "
                              f"{tuple(p.placements)}: a Partial parameter (a sum still to be "
                              "reduced) has no values to optimize")
         if p.device_mesh not in meshes:
@@ -93,7 +94,7 @@ def exchange_group(infos: list[ParamInfo]):
     mesh = max(meshes, key=lambda m: m.size())   # the first of the largest: the same on every rank
     for m in meshes:
         if not _ranks(m) <= _ranks(mesh):
-            raise ValueError(f"DTensor parameters on device meshes {m} and {mesh}: all must be "
+            raise InputError(f"DTensor parameters on device meshes {m} and {mesh}: all must be "
                              "on one mesh or on sub-meshes of the largest (ZeroMuon exchanges "
                              "over one process group)")
     if mesh.ndim == 1:
@@ -101,7 +102,7 @@ def exchange_group(infos: list[ParamInfo]):
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD
     if not mesh.mesh_dim_names:
-        raise ValueError(f"DTensor parameters on {mesh}, a {mesh.ndim}-D mesh over part of the "
+        raise InputError(f"DTensor parameters on {mesh}, a {mesh.ndim}-D mesh over part of the "
                          "world: give it mesh_dim_names so that ZeroMuon can flatten it into one "
                          "process group")
     return mesh._flatten().get_group()
@@ -112,7 +113,7 @@ def _local_box(p) -> tuple[list[int], list[int]]:
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     loc = tuple(p.to_local().shape)
     if tuple(shape) != loc:
-        raise ValueError(f"DTensor parameter of shape {tuple(p.shape)} ({placement_of(p)}): its "
+        raise InputError(f"DTensor parameter of shape {tuple(p.shape)} ({placement_of(p)}): its "
                          f"local tensor is {loc}, its placements say {tuple(shape)}")
     return list(offset), list(shape)
 
@@ -145,9 +146,9 @@ def describe(infos: list[ParamInfo], group, world: int, rank: int, extra: list[i
     n = len(local)
     for r, g in enumerate(gathered):
         if g.numel() != mine.numel() or int(g[-1]) != len(dist_infos):
-            raise ValueError(f"rank {r} has a different number of sharded parameters than rank {rank}")
+            raise InputError(f"rank {r} has a different number of sharded parameters than rank {rank}")
         if g[n:-1].tolist() != list(extra):
-            raise ValueError(f"rank {r} disagrees with rank {rank} on optimizer settings "
+            raise InputError(f"rank {r} disagrees with rank {rank} on optimizer settings "
                              f"{g[n:-1].tolist()} vs {list(extra)} (e.g. the store's alternate_order)")
     per_rank = [g[:n].tolist() for g in gathered]
     at = 0

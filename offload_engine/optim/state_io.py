@@ -20,6 +20,7 @@ import torch
 
 from .lazy_state import StoreTensor
 from .sharding import is_dtensor
+from ..errors import InputError
 
 try:
     from torch.distributed.tensor import DTensor
@@ -129,7 +130,7 @@ def _local_part(opt, info, value: torch.Tensor, key: str) -> torch.Tensor:
     if tuple(value.shape) == info.shape and info.distributed:
         value = value[info.box(opt.rank).slices()]
     if tuple(value.shape) != want:
-        raise ValueError(f"state {key!r} of parameter {info.name or info.index} has shape "
+        raise InputError(f"state {key!r} of parameter {info.name or info.index} has shape "
                          f"{tuple(value.shape)}; expected the full {info.shape} or this rank's {want}")
     return value.reshape(-1)
 
@@ -137,14 +138,14 @@ def _local_part(opt, info, value: torch.Tensor, key: str) -> torch.Tensor:
 def load_state(opt, state_dict: dict) -> None:
     groups = state_dict["param_groups"]
     if len(groups) != len(opt.param_groups):
-        raise ValueError(f"loaded state dict has {len(groups)} parameter groups; this optimizer "
+        raise InputError(f"loaded state dict has {len(groups)} parameter groups; this optimizer "
                          f"has {len(opt.param_groups)}")
     for i, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
         if len(saved["params"]) != len(mine["params"]):
-            raise ValueError(f"parameter group {i}: loaded state dict has {len(saved['params'])} "
+            raise InputError(f"parameter group {i}: loaded state dict has {len(saved['params'])} "
                              f"parameters, this optimizer {len(mine['params'])}")
         if "use_muon" in saved and bool(saved["use_muon"]) != mine["use_muon"]:
-            raise ValueError(f"parameter group {i}: use_muon is {saved['use_muon']} in the state "
+            raise InputError(f"parameter group {i}: use_muon is {saved['use_muon']} in the state "
                              f"dict and {mine['use_muon']} here")
     saved_ids = [pid for g in groups for pid in g["params"]]
     states = state_dict["state"]

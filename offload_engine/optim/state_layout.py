@@ -57,6 +57,7 @@ from typing import NamedTuple
 from .. import dtypes
 from ..dtypes import FLOAT32, DType
 from ..store.geometry import elems_per_bucket
+from ..errors import InputError
 
 
 class StateKind(enum.Enum):
@@ -233,7 +234,7 @@ def build_layout(infos, rank: int, bucket_bytes: int, master_for, state_dtype_of
         _, kind, dtype, distributed, amsgrad, master = key
         bundles = per_kind[kind]
         if master and dtype != FLOAT32:
-            raise ValueError("with master weights the optimizer state is fp32")
+            raise InputError("with master weights the optimizer state is fp32")
         cap = elems_per_bucket(bucket_bytes, dtype)
         cur: list = []
         cur_max = None  # per-rank local sums of the open bundle

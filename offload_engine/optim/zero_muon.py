@@ -45,6 +45,7 @@ from .step_events import SLOTS, Leases, kept_tails, pool_use, working_buckets
 from .step_stats import StepStats
 from .store_dir import STALE_STORE_CHOICES, array_home, rank_store_config, stale_store_message
 from .store_manifest import store_manifest
+from ..errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class ZeroMuon(torch.optim.Optimizer):
                  model: torch.nn.Module | None = None, stale_store: str = "refuse"):
         self._ready = False
         if stale_store not in STALE_STORE_CHOICES:
-            raise ValueError(f"stale_store must be one of {STALE_STORE_CHOICES}, got "
+            raise InputError(f"stale_store must be one of {STALE_STORE_CHOICES}, got "
                              f"{stale_store!r}")
         self._stale_store = stale_store
         self._muon_defaults = dict(MUON_DEFAULTS, lr=lr, weight_decay=weight_decay,
@@ -99,7 +100,7 @@ class ZeroMuon(torch.optim.Optimizer):
                                    ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         unknown = set(adamw or {}) - set(ADAMW_DEFAULTS)
         if unknown:
-            raise ValueError(f"unknown AdamW option(s) {sorted(unknown)}")
+            raise InputError(f"unknown AdamW option(s) {sorted(unknown)}")
         self._adamw_defaults = dict(ADAMW_DEFAULTS, **(adamw or {}))
         rule, report_guesses = module_aware(use_muon_rule, model)
         super().__init__(split_groups(name_params(params, model), rule), {})
@@ -114,7 +115,7 @@ class ZeroMuon(torch.optim.Optimizer):
             raise NotImplementedError("ZeroMuon lays out its state once: pass every parameter "
                                       "group to the constructor")
         if "use_muon" not in param_group:
-            raise ValueError("a ZeroMuon parameter group needs use_muon=True or False")
+            raise InputError("a ZeroMuon parameter group needs use_muon=True or False")
         fill_defaults(param_group, self._muon_defaults, self._adamw_defaults)
         super().add_param_group(param_group)
 
@@ -126,17 +127,17 @@ class ZeroMuon(torch.optim.Optimizer):
             kind = "muon" if group["use_muon"] else "adamw"
             for name, p in iter_named(group):
                 if kind == "muon" and p.ndim != 2:
-                    raise ValueError("Muon only supports 2D parameters whereas we found a "
+                    raise InputError("Muon only supports 2D parameters whereas we found a "
                                      f"parameter with size: {p.size()}"
                                      + (f" ({name})" if name else ""))
                 if not p.is_floating_point():
-                    raise ValueError(f"parameter {name or len(infos)} has dtype {p.dtype}; "
+                    raise InputError(f"parameter {name or len(infos)} has dtype {p.dtype}; "
                                      "only floating point parameters can be optimized")
                 infos.append(ParamInfo(len(infos), p, group, name, kind, tuple(p.shape),
                                        p.dtype, is_dtensor(p)))
         devices = {local_tensor(i.param).device for i in infos}
         if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
+            raise InputError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.infos = infos
         self.group = exchange_group(infos)
@@ -221,7 +222,7 @@ class ZeroMuon(torch.optim.Optimizer):
             # the step acquires buckets on the parameters' device: the store stages them there
             staging = working_buckets(self.layout) * cfg.bucket_bytes
             if store is not None:
-                raise ValueError(f"parameters are on {self.device}: give the store a gpu_budget "
+                raise InputError(f"parameters are on {self.device}: give the store a gpu_budget "
                                  f"(at least {staging} bytes to stage the buckets a step holds)")
             cfg = StoreConfig.load({**cfg.model_dump(exclude_unset=True), "gpu_budget": staging})
         self._own_store = not isinstance(store, TieredStore)
@@ -266,7 +267,7 @@ class ZeroMuon(torch.optim.Optimizer):
         if earlier is None:
             return
         if self._stale_store != "discard" and earlier.arrays:
-            raise ValueError(stale_store_message(earlier.root, earlier.describe()))
+            raise InputError(stale_store_message(earlier.root, earlier.describe()))
         if earlier.arrays:
             log.warning("ZeroMuon: discarding the state an earlier run left in %s (%s); "
                         "load a checkpoint to resume it", earlier.root, earlier.describe())
@@ -297,7 +298,7 @@ class ZeroMuon(torch.optim.Optimizer):
             return 0  # the store decides; it keeps working room itself
         use = pool_use(self.layout, homes, cfg.cpu_budget)
         if use.spare < 0:
-            raise ValueError(f"store cpu_budget {cfg.cpu_budget} bytes is too small: the state "
+            raise InputError(f"store cpu_budget {cfg.cpu_budget} bytes is too small: the state "
                              f"homed on cpu needs {use.pinned} bytes and the step's working set "
                              f"on nvme about {use.work} more ({total} bytes of state in all)")
         return use.spare
@@ -309,7 +310,7 @@ class ZeroMuon(torch.optim.Optimizer):
         updating tensors the model no longer uses."""
         current = {id(p) for g in self.param_groups for p in g["params"]}
         if current != {id(i.param) for i in self.infos}:
-            raise RuntimeError(
+            raise UsageError(
                 "ZeroMuon: param_groups hold other parameters than those it was built with "
                 "(a wrapper replaced them after construction, as accelerate does when it "
                 "shards a model with FSDP2 for an optimizer that already exists); build "
@@ -343,7 +344,7 @@ class ZeroMuon(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.grad.dtype != p.dtype:
-                raise ValueError(f"parameter {info.name or info.index}: gradient dtype "
+                raise InputError(f"parameter {info.name or info.index}: gradient dtype "
                                  f"{p.grad.dtype} differs from the parameter's {p.dtype}")
             check_grad(p, p.grad, f"parameter {info.name or info.index}")
             active.add(info.index)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..store.config import StoreConfig, default
 from ..units import PAGE, format_bytes
+from ..errors import InputError
 
 NVME_SUBDIR = "offload-engine"     # our group beside DeepSpeed's zero_stage_3/ swap folders
 # Buckets a ZeroMuon step holds at once with state on NVMe: 2 to 6 for the layouts we know
@@ -116,7 +117,7 @@ def translate(ds: dict, source: str = "DeepSpeed config") -> Translation:
     ``source`` when the result is not a valid store config (e.g. NVMe offload without
     ``nvme_path``) or the input is not a JSON object."""
     if not isinstance(ds, dict):
-        raise ValueError(f"{source}: a DeepSpeed config is a JSON object, got {type(ds).__name__}")
+        raise InputError(f"{source}: a DeepSpeed config is a JSON object, got {type(ds).__name__}")
     b = _Builder(ds)
     _rule_offload_optimizer(b)
     _rule_aio(b)
@@ -344,5 +345,5 @@ def load(path: str) -> Translation:
         with open(path, encoding="utf-8") as f:
             ds = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
+        raise InputError(f"{path}: not valid JSON: {e}") from None
     return translate(ds, source=path)

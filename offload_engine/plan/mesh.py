@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 from ..optim.owners import ns_flops
+from ..errors import InputError
 
 # torchtitan's [parallelism] keys, and the short names --mesh takes
 TORCHTITAN_KEYS = {"data_parallel_replicate_degree": "dp_replicate",
@@ -66,27 +67,27 @@ def parse_mesh(text: str, world_size: int | None = None) -> Mesh:
         try:
             block = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--mesh {source}: not valid JSON: {e}") from None
+            raise InputError(f"--mesh {source}: not valid JSON: {e}") from None
         block = block.get("parallelism", block) if isinstance(block, dict) else block
         if not isinstance(block, dict):
-            raise ValueError(f"--mesh {source}: expected a JSON object of parallelism degrees")
+            raise InputError(f"--mesh {source}: expected a JSON object of parallelism degrees")
         degrees = {TORCHTITAN_KEYS[k]: v for k, v in block.items() if k in TORCHTITAN_KEYS}
         others = sorted(k for k, v in block.items()
                         if k not in TORCHTITAN_KEYS and k.endswith("_degree") and v not in (1, None))
         if others:
-            raise ValueError(f"--mesh {source}: the planner models dp_replicate, dp_shard and "
+            raise InputError(f"--mesh {source}: the planner models dp_replicate, dp_shard and "
                              f"tp only, not {', '.join(others)}")
     else:
         degrees = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, eq, value = part.partition("=")
             if not eq or key.strip() not in AXES:
-                raise ValueError(f"--mesh {source}: expected AXIS=N with AXIS one of "
+                raise InputError(f"--mesh {source}: expected AXIS=N with AXIS one of "
                                  f"{', '.join(AXES)}, got {part!r}")
             try:
                 degrees[key.strip()] = int(value)
             except ValueError:
-                raise ValueError(f"--mesh {source}: {key.strip()} must be an integer, got "
+                raise InputError(f"--mesh {source}: {key.strip()} must be an integer, got "
                                  f"{value!r}") from None
     return _resolve(degrees, world_size, source)
 
@@ -94,19 +95,19 @@ def parse_mesh(text: str, world_size: int | None = None) -> Mesh:
 def _resolve(degrees: dict, world_size: int | None, source: str) -> Mesh:
     for k, v in degrees.items():
         if not isinstance(v, int) or isinstance(v, bool) or not (v >= 1 or v == -1):
-            raise ValueError(f"--mesh {source}: {k} must be a positive integer or -1, got {v!r}")
+            raise InputError(f"--mesh {source}: {k} must be a positive integer or -1, got {v!r}")
     rest = [k for k, v in degrees.items() if v == -1]
     if len(rest) > 1:
-        raise ValueError(f"--mesh {source}: only one degree may be -1")
+        raise InputError(f"--mesh {source}: only one degree may be -1")
     if rest:
         known = math.prod(v for v in degrees.values() if v != -1)
         if world_size is None or world_size % known:
-            raise ValueError(f"--mesh {source}: {rest[0]} = -1 needs --world-size, a multiple "
+            raise InputError(f"--mesh {source}: {rest[0]} = -1 needs --world-size, a multiple "
                              f"of the other degrees ({known})")
         degrees[rest[0]] = world_size // known
     mesh = Mesh(**degrees)
     if world_size is not None and mesh.world_size != world_size:
-        raise ValueError(f"--mesh {source}: the degrees multiply to {mesh.world_size} ranks, "
+        raise InputError(f"--mesh {source}: the degrees multiply to {mesh.world_size} ranks, "
                          f"but --world-size is {world_size}")
     return mesh
 
@@ -114,10 +115,10 @@ def _resolve(degrees: dict, world_size: int | None, source: str) -> Mesh:
 def check_nodes(mesh: Mesh, gpus_per_node: int) -> None:
     """A shard group must fill whole nodes (module docstring)."""
     if mesh.world_size % gpus_per_node:
-        raise ValueError(f"--mesh: {mesh.world_size} ranks do not fill nodes of "
+        raise InputError(f"--mesh: {mesh.world_size} ranks do not fill nodes of "
                          f"{gpus_per_node} GPUs")
     if mesh.shard_group % gpus_per_node and mesh.shard_group > 1:
-        raise ValueError(f"--mesh: a shard group (dp_shard x tp = {mesh.shard_group} ranks) "
+        raise InputError(f"--mesh: a shard group (dp_shard x tp = {mesh.shard_group} ranks) "
                          f"must fill whole nodes of {gpus_per_node} GPUs; the planner does not "
                          f"model nodes holding parts of several shard groups")
 

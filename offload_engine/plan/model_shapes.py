@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from ..formats.errors import FormatError
 from ..formats.safetensors import read_header, read_index
 from . import model_limits as limits
+from ..errors import InputError
 
 # an FSDP2 unit: one block of a layer stack (fully_shard is applied per block)
 _BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|layer)\.\d+)\.")
 
 
-class ModelInputError(ValueError):
+class ModelInputError(InputError):
     """A model description the planner cannot read: one line naming the file."""
 
 

@@ -37,6 +37,7 @@ from ..io.extents import Extents
 from ..optim.step_events import kept_tails, pool_use, step_events
 from ..store.geometry import bucket_sizes, pool_bytes
 from ..store.policy import ResidencyPolicy
+from ..errors import InputError
 
 
 @dataclass
@@ -100,7 +101,7 @@ class _Replay:
             key = self.policy.choose_victim(demand, b.key)
             if key is None:
                 if demand:
-                    raise RuntimeError(f"pool of {self.cpu_budget} bytes cannot hold the "
+                    raise InputError(f"pool of {self.cpu_budget} bytes cannot hold the "
                                        "buckets ZeroMuon holds at once")
                 return False
             self.evict(self.buckets[key])

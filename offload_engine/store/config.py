@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ValidationError, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ..units import PAGE, GiB, MiB, parse_bytes
+from ..errors import InputError
 
 Tier = Literal["gpu", "cpu", "nvme"]
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
@@ -63,16 +64,16 @@ class StoreConfig(BaseModel):
     @classmethod
     def _multiple_of_page(cls, v: int, info) -> int:
         if v <= 0 or v % PAGE:
-            raise ValueError(f"{info.field_name} must be a positive multiple of {PAGE} bytes, got {v}")
+            raise InputError(f"{info.field_name} must be a positive multiple of {PAGE} bytes, got {v}")
         return v
 
     @model_validator(mode="after")
     def _nvme_needed(self) -> "StoreConfig":
         uses_nvme = self.default_home in ("nvme", "auto") or "nvme" in self.homes.values()
         if uses_nvme and not self.nvme_paths and self.default_home == "nvme":
-            raise ValueError("default_home is 'nvme' but nvme_paths is empty")
+            raise InputError("default_home is 'nvme' but nvme_paths is empty")
         if "nvme" in self.homes.values() and not self.nvme_paths:
-            raise ValueError("an array's home is 'nvme' but nvme_paths is empty")
+            raise InputError("an array's home is 'nvme' but nvme_paths is empty")
         return self
 
     def home_of(self, name: str) -> str:
@@ -91,7 +92,7 @@ class StoreConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ValueError(f"{source}: " + "; ".join(_describe(err) for err in e.errors())) from None
+            raise InputError(f"{source}: " + "; ".join(_describe(err) for err in e.errors())) from None
 
     @classmethod
     def from_file(cls, path: str) -> "StoreConfig":
@@ -100,7 +101,7 @@ class StoreConfig(BaseModel):
             with open(path) as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON: {e}") from None
+            raise InputError(f"{path}: not valid JSON: {e}") from None
         return cls.load(data, source=path)
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..io.errors import FileIOError
+from ..io.errors import WrappedIOError
 
 
-class BucketIOError(FileIOError):
+class BucketIOError(WrappedIOError):
     """A read or write-back of one bucket that failed (a full disk, a failing device).
 
     Still a ``FileIOError`` (an ``OSError``): ``errno``, ``path`` (the chunk file),
@@ -15,25 +15,12 @@ class BucketIOError(FileIOError):
     """
 
     def __init__(self, op: str, array: str, bucket: int, cause: OSError):
-        super().__init__(cause.errno or 0, op, getattr(cause, "path", None) or cause.filename
-                         or "?", getattr(cause, "offset", None), getattr(cause, "length", None),
-                         detail=cause.strerror)
+        super().__init__(f"{op} of array {array} bucket {bucket} failed", cause, op=op)
         self.array = array
         self.bucket = bucket
-        self.cause = cause
-
-    def __str__(self) -> str:
-        return f"{self.op} of array {self.array} bucket {self.bucket} failed: {self.cause}"
-
-    def __reduce__(self):
-        return type(self), (self.op, self.array, self.bucket, self.cause)
 
 
 def for_bucket(op: str, bucket, error: BaseException) -> BaseException:
     """``error`` as a BucketIOError naming ``bucket``'s array and index, when it is an I/O
     error (other errors are returned as they are)."""
-    if isinstance(error, OSError) and not isinstance(error, BucketIOError):
-        wrapped = BucketIOError(op, bucket.array.name, bucket.index, error)
-        wrapped.__cause__ = error
-        return wrapped
-    return error
+    return BucketIOError.wrap(error, op, bucket.array.name, bucket.index)

@@ -16,6 +16,7 @@ import torch
 
 from ..io.align import round_up
 from ..io.extents import Extents
+from ..errors import UsageError
 
 
 class EventPool:
@@ -52,7 +53,7 @@ class GpuTier:
 
     def __init__(self, budget_bytes: int, device: torch.device | None = None):
         if not torch.cuda.is_available():
-            raise RuntimeError("the gpu tier needs CUDA, which is not available")
+            raise UsageError("the gpu tier needs CUDA, which is not available")
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.capacity = round_up(budget_bytes)
         self.arena = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)

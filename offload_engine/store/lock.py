@@ -23,17 +23,18 @@ import stat
 
 from ..io import syscalls
 from ..io.errors import FileIOError
+from ..errors import OffloadEngineError
 
 LEGACY_LOCK_NAME = ".offload-engine.lock"  # the lock file of stores written before 2026-12-02
 _PROC_LOCKS = "/proc/locks"
 _PROC_LOCKS_BYTES = 1 << 20  # the most read of /proc/locks to name a holder
 
 
-class StoreLockedError(RuntimeError):
+class StoreLockedError(OffloadEngineError, RuntimeError):
     """Another process (or another store object) holds the store directory for writing."""
 
 
-class LockFileError(RuntimeError):
+class LockFileError(OffloadEngineError, RuntimeError):
     """The old lock file's name holds something that is not a plain lock file (a symlink, a
     directory, a FIFO, a file with other hard links): refused, never opened through."""
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from typing import Hashable, Iterable
+from ..errors import InputError
 
 INF = float("inf")
 Key = Hashable
@@ -63,9 +64,9 @@ class StepSchedule:
         self.backward = self.forward[::-1] if backward is None else list(backward)
         for name, order in (("forward", self.forward), ("backward", self.backward)):
             if len(set(order)) != len(order):
-                raise ValueError(f"the {name} order lists a bucket more than once")
+                raise InputError(f"the {name} order lists a bucket more than once")
         if set(self.forward) != set(self.backward):
-            raise ValueError("the forward and backward orders must list the same buckets")
+            raise InputError("the forward and backward orders must list the same buckets")
         self.alternate = alternate
         self.step = step
         self.cursor = -1          # furthest position used in this step (-1: none yet)

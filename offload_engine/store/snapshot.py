@@ -15,6 +15,7 @@ import threading
 from typing import Callable
 
 import torch
+from ..errors import OperationTimeoutError
 
 # sink(array_name, bucket_index, start_element, tensor): write the bucket's bytes somewhere
 Sink = Callable[[str, int, int, torch.Tensor], None]
@@ -112,7 +113,7 @@ class Snapshot:
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise the sink's first error (for example a full disk)."""
         if not self.finished.wait(timeout):
-            raise TimeoutError(f"snapshot not finished after {timeout} s "
+            raise OperationTimeoutError(f"snapshot not finished after {timeout} s "
                                f"({self.copied} of {self.total} buckets copied)")
         if self.error is not None:
             raise self.error

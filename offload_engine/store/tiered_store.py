@@ -44,6 +44,7 @@ from .lock import WriteLock
 from .policy import Credit, ResidencyPolicy
 from .snapshot import Snapshot
 from .counters import StatsCounter, StoreStats
+from ..errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +159,14 @@ class TieredStore:
         have the same dtype and numel. Returns the array's description.
         """
         if not _NAME.match(name):
-            raise ValueError(f"array name {name!r}: use letters, digits, '_', '.', '-' and '/'")
+            raise InputError(f"array name {name!r}: use letters, digits, '_', '.', '-' and '/'")
         if numel < 0:
-            raise ValueError(f"array {name}: numel must be >= 0, got {numel}")
+            raise InputError(f"array {name}: numel must be >= 0, got {numel}")
         dtypes.zarr_dtype(dtypes.dtype(dtype).name)  # raises for a dtype no array can hold
         itemsize = geometry.itemsize_of(dtype)
         with self._lock:
             if name in self._arrays:
-                raise ValueError(f"array {name} is already registered")
+                raise InputError(f"array {name} is already registered")
             home = self._choose_home(name, home, numel * itemsize)
             bucket_elems = geometry.elems_per_bucket(self.config.bucket_bytes, itemsize)
             arr = _Array(name, dtype, numel, itemsize, home, bucket_elems, [])
@@ -195,12 +196,12 @@ class TieredStore:
             if home in self._auto_bytes:
                 self._auto_bytes[home] += nbytes
         if home == "gpu" and self.gpu is None:
-            raise ValueError(f"array {name}: home tier 'gpu' needs CUDA and a gpu_budget > 0"
+            raise InputError(f"array {name}: home tier 'gpu' needs CUDA and a gpu_budget > 0"
                              + ("" if torch.cuda.is_available() else " (CUDA is not available)"))
         if home == "nvme" and self.root is None:
-            raise ValueError(f"array {name}: home tier 'nvme' needs nvme_paths in the config")
+            raise InputError(f"array {name}: home tier 'nvme' needs nvme_paths in the config")
         if home not in ("gpu", "cpu", "nvme"):
-            raise ValueError(f"array {name}: unknown home tier {home!r}")
+            raise InputError(f"array {name}: unknown home tier {home!r}")
         return home
 
     def _open_or_create(self, arr: _Array) -> FlatArray:
@@ -210,7 +211,7 @@ class TieredStore:
             flat = FlatArray.open(path, io=self.io, mode="r+")
             if (flat.dtype != arr.dtype or flat.numel != arr.numel
                     or (flat.chunk_elems != arr.bucket_elems and len(arr.buckets) > 1)):
-                raise ValueError(
+                raise InputError(
                     f"array {arr.name} in {path} has dtype {flat.dtype}, {flat.numel} elements and "
                     f"{flat.chunk_elems}-element chunks; asked for {arr.dtype}, {arr.numel} and "
                     f"{arr.bucket_elems}")
@@ -252,7 +253,7 @@ class TieredStore:
         registering any array."""
         with self._lock:
             if self._arrays:
-                raise RuntimeError("discard_earlier_run: arrays are registered already")
+                raise UsageError("discard_earlier_run: arrays are registered already")
             remove_earlier_arrays(earlier, self._stripes)
             self._write_manifest({}, {})
             self._manifest_extra = {}
@@ -263,7 +264,7 @@ class TieredStore:
         ``step``; rewritten atomically. The store's own keys cannot be overridden."""
         reserved = STORE_KEYS & set(entries)
         if reserved:
-            raise ValueError(f"manifest keys {sorted(reserved)} belong to the store")
+            raise InputError(f"manifest keys {sorted(reserved)} belong to the store")
         with self._lock:
             extra = {**self._manifest_extra, **entries}
             if self.root is not None:
@@ -297,7 +298,7 @@ class TieredStore:
             raise IndexError(f"array {name} is empty")
         b = arr.buckets[min(start // arr.bucket_elems, len(arr.buckets) - 1)]
         if stop > b.stop:
-            raise ValueError(f"range [{start}, {stop}) of {name} crosses a bucket boundary at "
+            raise InputError(f"range [{start}, {stop}) of {name} crosses a bucket boundary at "
                              f"element {b.stop}; acquire each bucket of bucket_ranges() separately")
         return b, start, stop
 
@@ -312,15 +313,15 @@ class TieredStore:
         """
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"acquire on {dev}: CUDA is not available on this machine")
+            raise InputError(f"acquire on {dev}: CUDA is not available on this machine")
         if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"acquire on {dev}: only 'cpu' and CUDA devices are supported")
+            raise InputError(f"acquire on {dev}: only 'cpu' and CUDA devices are supported")
         b, start, stop = self._locate(name, rng)
         arr = b.array
         if dev.type == "cuda" and self.gpu is None:
-            raise ValueError(f"acquire of {name} on {dev}: the store has no gpu tier (gpu_budget is 0)")
+            raise InputError(f"acquire of {name} on {dev}: the store has no gpu tier (gpu_budget is 0)")
         if arr.home == "gpu" and dev.type != "cuda":
-            raise ValueError(f"array {name} lives on the GPU; acquire it with a CUDA device")
+            raise InputError(f"array {name} lives on the GPU; acquire it with a CUDA device")
         with self._lock:
             self._check_open()
             self._policy.note_use(b.key)
@@ -380,9 +381,9 @@ class TieredStore:
         b = handle._bucket
         with self._lock:
             if handle._released:
-                raise RuntimeError(f"handle of {handle.array}[{handle.start}:{handle.stop}] released twice")
+                raise UsageError(f"handle of {handle.array}[{handle.start}:{handle.stop}] released twice")
             if handle.keep and dirty:
-                raise ValueError(f"handle of {handle.array}[{handle.start}:{handle.stop}] "
+                raise InputError(f"handle of {handle.array}[{handle.start}:{handle.stop}] "
                                  "is a keep() handle: it lends no bytes to change")
             handle._released = True
             if handle.keep:
@@ -460,7 +461,7 @@ class TieredStore:
         if arr.home == "gpu":
             off = self.gpu.alloc(b.nbytes)
             if off is None:
-                raise RuntimeError(f"gpu tier full: cannot hold {arr.name} bucket {b.index}")
+                raise UsageError(f"gpu tier full: cannot hold {arr.name} bucket {b.index}")
             b.gpu_offset = off
             self.gpu.view(off, b.nbytes, torch.uint8).zero_()
             b.state = RESIDENT
@@ -633,7 +634,7 @@ class TieredStore:
         if b.gpu_users == 0:
             off = self.gpu.alloc(b.nbytes)
             if off is None:
-                raise RuntimeError(f"gpu tier full: cannot stage {b.array.name} bucket {b.index} "
+                raise UsageError(f"gpu tier full: cannot stage {b.array.name} bucket {b.index} "
                                    f"({b.nbytes} bytes); raise gpu_budget")
             b.gpu_offset = off
             self._settle_h2d(b)
@@ -764,10 +765,10 @@ class TieredStore:
         with self._lock:
             self._check_open()
             if self._snapshot is not None and not self._snapshot.finished.is_set():
-                raise RuntimeError("a snapshot of this store is still being taken")
+                raise UsageError("a snapshot of this store is still being taken")
             held = sorted(b.key for b in self._resident if b.refs > b.keeps)
             if held:
-                raise RuntimeError(f"snapshot while buckets are held ({held[:3]}...): take it "
+                raise UsageError(f"snapshot while buckets are held ({held[:3]}...): take it "
                                    "between steps, when every handle is released")
             names = list(self._arrays) if arrays is None else arrays
             # in the order of the step to come: the buckets it needs first are copied first,
@@ -916,7 +917,7 @@ class TieredStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the store is closed")
+            raise UsageError("the store is closed")
 
     def __enter__(self) -> "TieredStore":
         return self

@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Hashable, Sequence
+from ...errors import InputError
 
 
-class PartitionError(ValueError):
+class PartitionError(InputError):
     """The partition sizes do not add up to the parameter shapes (wrong or mixed files)."""
 
 

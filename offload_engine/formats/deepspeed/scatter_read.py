@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ...io import FileIOError, TruncatedFileError
 from ...units import MiB
+from ...errors import InputError
 
 _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
@@ -55,7 +56,7 @@ def segment_wants(segments: list[Segment], lo: int, dest: memoryview, itemsize: 
     of a tensor stored as ``segments`` (sorted by ``start``). ValueError naming ``what`` when
     the range runs past the tensor."""
     if len(dest) % itemsize:
-        raise ValueError(f"{what}: a buffer of {len(dest)} bytes holds no whole number of "
+        raise InputError(f"{what}: a buffer of {len(dest)} bytes holds no whole number of "
                          f"{itemsize}-byte elements")
     hi = lo + len(dest) // itemsize
     wants = []
@@ -71,7 +72,7 @@ def segment_wants(segments: list[Segment], lo: int, dest: memoryview, itemsize: 
                           dest[(pos - lo) * itemsize:(pos - lo + take) * itemsize]))
         pos += take
     if pos < hi:
-        raise ValueError(f"{what}: elements [{lo}, {hi}) are out of range")
+        raise InputError(f"{what}: elements [{lo}, {hi}) are out of range")
     return wants
 
 

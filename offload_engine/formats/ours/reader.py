@@ -42,6 +42,7 @@ from .generations import locate
 from .shard_tables import ShardTables
 from .tensor_table import gc_paused, parse_manifest, read_manifest_attrs
 from .windows import ChunkedArray, RangeReader, WindowStream
+from ...errors import InputError
 
 DEFAULT_WINDOW = 16 * MiB
 DEFAULT_DEPTH = 4   # windows read ahead: 80 MiB in flight at 16 MiB, more than fio's 8 x 8 MiB
@@ -70,7 +71,7 @@ class OursSource(TensorSource):
                  io_threads: int = 8, attrs: dict | None = None,
                  verify_all_metadata: bool = True):
         if window_bytes <= 0 or window_bytes % 4096:
-            raise ValueError(f"window size must be a positive multiple of 4096, got {window_bytes}")
+            raise InputError(f"window size must be a positive multiple of 4096, got {window_bytes}")
         self.group = os.path.abspath(group)
         self.kind = kind
         self.window_bytes = window_bytes
