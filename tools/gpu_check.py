@@ -24,6 +24,9 @@ Without CUDA, ``parity`` and ``step`` run on the CPU at a small size (their CUDA
 reported as skipped) so the script itself is exercised anywhere.
 
     python tools/gpu_check.py --path /local/nvme/dir [--size small|full] > gpu_check.json
+
+``--smoke`` runs every section at a tiny size (seconds; the test suite runs it so the script
+cannot rot), ``--list`` prints the sections' names (JSON) and runs nothing.
 """
 
 from __future__ import annotations
@@ -216,28 +219,45 @@ def check_dcp_memory(tmp: str) -> dict:
     return m
 
 
-def main() -> int:
+def sections(device: str, tmp: str, size: str) -> dict:
+    """The checks in the order they run: section name -> (check function, its arguments).
+    ``size``: "full", "small" or "smoke" (the step model's layers, width and steps, the
+    copies' bytes)."""
+    layers, dim, steps = {"full": (16, 2048, 5), "small": (4, 128, 3), "smoke": (1, 32, 2)}[size]
+    copy_bytes = 8 * MiB if size == "smoke" else 512 * MiB
+    return {
+        "parity": (check_parity, device, tmp),
+        "copies": (check_copies, copy_bytes),
+        "step": (check_step, device, tmp, layers, dim, steps),
+        "gpu_tier": (check_gpu_tier, tmp),
+        "dcp_memory": (check_dcp_memory, tmp),
+    }
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", default=None, help="directory on the local disk (default: a temp dir)")
     ap.add_argument("--size", choices=("small", "full"), default=None,
                     help="model size for the step section (default: full with CUDA, small without)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="every section at a tiny size, in seconds (what the test suite runs)")
+    ap.add_argument("--list", action="store_true", help="print the sections' names (JSON), run nothing")
+    args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
-    size = args.size or ("full" if cuda else "small")
-    layers, dim, steps = (16, 2048, 5) if size == "full" else (4, 128, 3)
+    size = "smoke" if args.smoke else (args.size or ("full" if cuda else "small"))
+    device = "cuda" if cuda else "cpu"
+    if args.list:
+        print(json.dumps(list(sections(device, "", size))))
+        return 0
     tmp = tempfile.mkdtemp(prefix="gpu-check-", dir=args.path)
     try:
-        device = "cuda" if cuda else "cpu"
         report = {
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "cuda": cuda, "gpu": torch.cuda.get_device_name(0) if cuda else None,
                         "path": tmp, "size": size},
-            "parity": section(check_parity, device, tmp),
-            "copies": section(check_copies, 512 * MiB),
-            "step": section(check_step, device, tmp, layers, dim, steps),
-            "gpu_tier": section(check_gpu_tier, tmp),
-            "dcp_memory": section(check_dcp_memory, tmp),
         }
+        for name, (fn, *fn_args) in sections(device, tmp, size).items():
+            report[name] = section(fn, *fn_args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(report, indent=2))
