@@ -32,34 +32,31 @@ import weakref
 
 import torch
 from torch.utils._pytree import tree_map
-from ..errors import UsageError
 
 
 class Source:
     """One state array of one parameter on this rank: where a StoreTensor's values are.
 
-    ``data`` is None while the values are in the store; a tensor once they were read into
-    memory (the optimizer was about to change them, or the tensor was changed in place)."""
+    ``views`` is the LazyViews that handed it out (its ``state``, an
+    ``optimizer_state.OptimizerState``, reads and writes the store). ``data`` is None while
+    the values are in the store; a tensor once they were read into memory (the optimizer was
+    about to change them, or the tensor was changed in place)."""
 
-    __slots__ = ("opt", "info", "akey", "shape", "data", "__weakref__")
+    __slots__ = ("views", "info", "akey", "shape", "data", "__weakref__")
 
-    def __init__(self, opt, info, akey, shape):
-        self.opt, self.info, self.akey, self.shape, self.data = opt, info, akey, shape, None
+    def __init__(self, views, info, akey, shape):
+        self.views, self.info, self.akey, self.shape, self.data = views, info, akey, shape, None
 
     def read(self, device: torch.device | None = None) -> torch.Tensor:
         """The current values (this rank's part, in the parameter's local shape), on
         ``device`` (the optimizer's if None)."""
-        views = self.opt._lazy
+        views = self.views
         if self.data is not None:
             values = self.data
         elif views.pending is not None and views.pending[0] is self:
             values = views.pending[1]
-        elif self.opt.store is None:
-            raise UsageError(f"state {self.akey.kind.state_key!r} of parameter "
-                               f"{self.info.name or self.info.index}: the optimizer was closed")
         else:
-            from .state_io import _read_array
-            return _read_array(self.opt, self.info, self.akey, device)
+            return views.state.read(self.info, self.akey, device)
         return values if device is None else values.to(device)
 
     def materialize(self) -> None:
@@ -68,18 +65,21 @@ class Source:
 
 
 class LazyViews:
-    """The StoreTensors an optimizer has handed out (weakly) and the one buffer out."""
+    """The StoreTensors handed out for one optimizer's ``state`` (weakly) and the one
+    buffer out. ``state`` reads and writes the store: ``read(info, akey, device)``,
+    ``write(info, akey, flat, keep=source)`` and ``device`` (an OptimizerState)."""
 
-    def __init__(self):
+    def __init__(self, state):
+        self.state = state
         self.sources: weakref.WeakSet[Source] = weakref.WeakSet()
         # the same, by (parameter index, array name): a write looks at its own array's only
         self.by_array: dict[tuple[int, str], weakref.WeakSet[Source]] = {}
         self.pending: list | None = None  # [Source, buffer, changed]
 
-    def source(self, opt, info, akey, shape) -> Source:
+    def source(self, info, akey, shape) -> Source:
         # a change made through the buffer out is the state a new StoreTensor must show
         self.flush()
-        src = Source(opt, info, akey, tuple(shape))
+        src = Source(self, info, akey, tuple(shape))
         self.sources.add(src)
         self.by_array.setdefault((info.index, akey.name), weakref.WeakSet()).add(src)
         return src
@@ -104,11 +104,11 @@ class LazyViews:
         src, buf, changed = self.pending
         self.pending = None
         if changed and src.data is None:
-            from .state_io import _write_array
             with torch.no_grad():
-                _write_array(src.opt, src.info, src.akey,
-                             buf.reshape(-1).to(dtype=src.akey.dtype.torch, device=src.opt.device),
-                             keep=src)
+                self.state.write(src.info, src.akey,
+                                 buf.reshape(-1).to(dtype=src.akey.dtype.torch,
+                                                    device=self.state.device),
+                                 keep=src)
 
     def before_write(self, index: int | None = None, name: str | None = None,
                      keep: Source | None = None) -> None:
@@ -163,7 +163,7 @@ class StoreTensor(torch.Tensor):
             shape[dim] = length
         r = torch.Tensor._make_wrapper_subclass(
             cls, tuple(shape), dtype=src.akey.dtype.torch,
-            device=src.opt.device if device is None else device, requires_grad=False)
+            device=src.views.state.device if device is None else device, requires_grad=False)
         r._src, r._region = src, tuple(region)
         return r
 
@@ -189,7 +189,7 @@ class StoreTensor(torch.Tensor):
                 return False  # a pinned store buffer is the store's, never handed out
             if func._schema.is_mutable:
                 # in place (dcp.load's copy_): into the optimizer's state, through the buffer
-                target = _narrowed(src.opt._lazy.checkout(src), region)
+                target = _narrowed(src.views.checkout(src), region)
                 func(target, *tree_map(_values, args[1:]), **tree_map(_values, kwargs))
                 return first
         return func(*tree_map(_values, args), **tree_map(_values, kwargs))
@@ -219,7 +219,8 @@ class StoreTensor(torch.Tensor):
     def __repr__(self):
         return f"StoreTensor({_values(self)!r})"
 
-    def source_of(self, opt) -> Source | None:
-        """The Source if these are ``opt``'s current store values, else None."""
+    def source_of(self, views: LazyViews) -> Source | None:
+        """The Source if ``views`` handed it out and these are the store's current values
+        (not a snapshot read into memory), else None."""
         src = self._src
-        return src if src.opt is opt and src.data is None else None
+        return src if src.views is views and src.data is None else None

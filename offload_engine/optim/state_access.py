@@ -3,7 +3,8 @@ time (memory bounded by the largest local shard, never the whole state).
 
 State keys are torch's: ``momentum_buffer`` (Muon, lerp convention), ``exp_avg``,
 ``exp_avg_sq``, ``max_exp_avg_sq`` (AdamW) and ``master_param``; each is one
-``state_layout.StateKind``.
+``state_layout.StateKind``. Reads and writes go through the optimizer's state object
+(``opt.optimizer_state``: ``optimizer_state.OptimizerState``) and its public methods.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 from .boxes import Box, first_copies, full_box, row_box, row_counts
 from .params import ParamInfo
 from .sharding import local_tensor
-from .state_io import _write_array
 from .state_layout import ArrayKey
 
 
@@ -69,24 +69,24 @@ def state_dtype(opt, info: ParamInfo, key: str) -> torch.dtype:
 def write_param_state(opt, info: ParamInfo, key: str, flat: torch.Tensor) -> None:
     """Set this rank's rows of state ``key`` of ``info`` from a flat tensor."""
     akey = param_state_arrays(opt, info)[key]
-    _write_array(opt, info, akey, flat.to(dtype=akey.dtype.torch, device=opt.device))
+    opt.optimizer_state.write(info, akey, flat.to(dtype=akey.dtype.torch, device=opt.device))
 
 
 def adam_step(opt, info: ParamInfo) -> float | None:
     """The AdamW step count of ``info`` (None before its first step or for Muon)."""
-    st = opt._adam_state.get(info.param, {})
-    return float(st["step"]) if "step" in st else None
+    return opt.optimizer_state.step_count(info)
 
 
 def mark_restored(opt, info: ParamInfo, step: float | None) -> None:
     """After every state of ``info`` was written: it has state now (and its AdamW step)."""
     if info.kind == "adamw" and step is not None:
-        opt._adam_state[info.param]["step"] = torch.tensor(float(step), dtype=torch.float32)
-    opt._initialized.add(info.index)
+        opt.optimizer_state.set_step_count(info, step)
+    opt.optimizer_state.mark_initialized([info.index])
 
 
 def has_state(opt, info: ParamInfo) -> bool:
-    return info.index in opt._initialized
+    """Whether ``info`` has state (it took a step or had state loaded)."""
+    return opt.optimizer_state.initialized(info)
 
 
 def held_box(info: ParamInfo, rank: int) -> Box:

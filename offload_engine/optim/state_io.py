@@ -1,7 +1,9 @@
 """state_dict() and load_state_dict(): the store's flat arrays <-> torch's per-parameter state.
 
 The tensors of a state dict are StoreTensors (lazy_state.py): they read the store when used,
-so torch.distributed.checkpoint saves and loads one parameter's state at a time.
+so torch.distributed.checkpoint saves and loads one parameter's state at a time. Everything
+here goes through the optimizer's state object (``opt.optimizer_state``, an
+``optimizer_state.OptimizerState``) and its public methods.
 
 The state dict has torch's shape: ``{"state": {index: {...}}, "param_groups": [...]}``
 with parameters numbered over the groups in order. Muon entries hold ``momentum_buffer``
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from .lazy_state import StoreTensor
 from .sharding import is_dtensor
 from ..errors import InputError
 
@@ -26,48 +27,6 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
     DTensor = None
-
-
-def _local_shape(opt, info) -> tuple[int, ...]:
-    return info.local_shape(opt.rank if info.distributed else 0)
-
-
-def _read_array(opt, info, key, device: torch.device | None = None) -> torch.Tensor:
-    """This rank's part of state array ``key`` (an ArrayKey) of ``info``, in its shape, on
-    ``device`` (the optimizer's if None). A host read of a host- or NVMe-home array comes
-    straight from the store's pinned buffer: no round trip through GPU memory."""
-    device = torch.device(opt.device if device is None else device)
-    name = opt.array_name(key.name)
-    # a GPU-home array is lent on the GPU only; its values come over afterwards
-    lend = opt.device if opt.store.arrays()[name].home == "gpu" else device
-    bundle = opt.layout.bundle_of(info.index)
-    out = torch.zeros(bundle.sizes[info.index], dtype=key.dtype.torch, device=device)
-    for j, seg in opt.layout.param_pieces(info.index):
-        h = opt.store.acquire(name, bundle.rows[j].buckets[key.name], device=lend)
-        try:
-            out[seg.lo:seg.hi].copy_(h.tensor[seg.offset:seg.offset + seg.hi - seg.lo])
-        finally:
-            opt.store.release(h)
-    return out.view(_local_shape(opt, info))
-
-
-def _write_array(opt, info, key, value: torch.Tensor | None, keep=None) -> None:
-    """Write this rank's part (flat, right length, in ``key.dtype``) of state array ``key``
-    (an ArrayKey) of ``info``, or zeros (None), into the store. StoreTensors handed out for
-    it (but ``keep``, whose values these are) read their old values first."""
-    opt._lazy.before_write(info.index, key.name, keep=keep)
-    bundle = opt.layout.bundle_of(info.index)
-    for j, seg in opt.layout.param_pieces(info.index):
-        h = opt.store.acquire(opt.array_name(key.name), bundle.rows[j].buckets[key.name],
-                              device=opt.device)
-        try:
-            dst = h.tensor[seg.offset:seg.offset + seg.hi - seg.lo]
-            if value is None:
-                dst.zero_()
-            else:
-                dst.copy_(value[seg.lo:seg.hi])
-        finally:
-            opt.store.release(h, dirty=True)
 
 
 def _wrap(info, local: torch.Tensor) -> torch.Tensor:
@@ -79,46 +38,39 @@ def _wrap(info, local: torch.Tensor) -> torch.Tensor:
                                   shape=p.shape, stride=p.stride())
 
 
-def lazy_state(opt, info) -> dict:
+def lazy_state(state, info) -> dict:
     """``{torch state key: StoreTensor}`` of one parameter (DTensor-wrapped for a DTensor
-    parameter), plus ``step`` (a copy) for AdamW. Reads nothing."""
+    parameter) of ``state`` (an OptimizerState), plus ``step`` (a copy) for AdamW. Reads
+    nothing."""
     entry = {}
     if info.kind == "adamw":
-        entry["step"] = opt._adam_state[info.param]["step"].clone()
-    for key in opt.layout.bundle_of(info.index).keys:
-        src = opt._lazy.source(opt, info, key, _local_shape(opt, info))
-        entry[key.kind.state_key] = _wrap(info, StoreTensor(src))
+        entry["step"] = state.step_tensor(info)
+    for key in state.layout.bundle_of(info.index).keys:
+        entry[key.kind.state_key] = _wrap(info, state.lazy_tensor(info, key))
     return entry
 
 
-def _own_source(opt, info, akey, value):
-    """The Source of ``value`` if it is ``opt``'s current StoreTensor of this very array
-    (DCP loaded into it: the store holds its values already), else None."""
-    loc = value._local_tensor if is_dtensor(value) else value
-    if not isinstance(loc, StoreTensor):
-        return None
-    src = loc.source_of(opt)
-    return src if src is not None and src.info.index == info.index \
-        and src.akey.name == akey.name else None
+def _in_store(state, info, akey, value) -> bool:
+    """Whether ``value`` is ``state``'s current StoreTensor of this very array (DCP loaded
+    into it: the store holds its values already)."""
+    return state.owns(value._local_tensor if is_dtensor(value) else value, info, akey)
 
 
 def read_state(opt) -> dict:
-    state = {}
-    for info in opt.infos:
-        if info.index in opt._initialized:
-            state[info.index] = lazy_state(opt, info)
+    state = opt.optimizer_state
+    out = {info.index: lazy_state(state, info) for info in state.initialized_infos()}
     groups, start = [], 0
     for g in opt.param_groups:
         packed = {k: v for k, v in g.items() if k != "params"}
         packed["params"] = list(range(start, start + len(g["params"])))
         start += len(g["params"])
         groups.append(packed)
-    return {"state": state, "param_groups": groups}
+    return {"state": out, "param_groups": groups}
 
 
-def _local_part(opt, info, value: torch.Tensor, key: str) -> torch.Tensor:
+def _local_part(state, info, value: torch.Tensor, key: str) -> torch.Tensor:
     """This rank's box of ``value`` as a flat tensor in the state's dtype."""
-    want = _local_shape(opt, info)
+    want = state.local_shape(info)
     if is_dtensor(value):
         loc = value.to_local()
         if is_dtensor(info.param) and tuple(value.placements) == tuple(info.param.placements) \
@@ -128,7 +80,7 @@ def _local_part(opt, info, value: torch.Tensor, key: str) -> torch.Tensor:
         else:
             value = value.full_tensor()
     if tuple(value.shape) == info.shape and info.distributed:
-        value = value[info.box(opt.rank).slices()]
+        value = value[info.box(state.rank).slices()]
     if tuple(value.shape) != want:
         raise InputError(f"state {key!r} of parameter {info.name or info.index} has shape "
                          f"{tuple(value.shape)}; expected the full {info.shape} or this rank's {want}")
@@ -149,34 +101,33 @@ def load_state(opt, state_dict: dict) -> None:
                              f"dict and {mine['use_muon']} here")
     saved_ids = [pid for g in groups for pid in g["params"]]
     states = state_dict["state"]
-    opt._lazy.flush()  # what DCP loaded into the last buffer it was given
+    state = opt.optimizer_state
+    state.flush()  # what DCP loaded into the last buffer it was given
     with torch.no_grad():
         for info, pid in zip(opt.infos, saved_ids):
             entry = states.get(pid)
-            keys = opt.layout.bundle_of(info.index).keys
+            keys = state.layout.bundle_of(info.index).keys
             if entry is None:
                 for akey in keys:
-                    _write_array(opt, info, akey, None)
-                opt._initialized.discard(info.index)
-                opt._adam_state.pop(info.param, None)
+                    state.write(info, akey, None)
+                state.forget(info)
                 continue
             for akey in keys:
                 key = akey.kind.state_key
-                if key in entry and _own_source(opt, info, akey, entry[key]) is not None:
+                if key in entry and _in_store(state, info, akey, entry[key]):
                     continue  # already in the store
                 if key not in entry:
                     if key != "master_param":
                         raise KeyError(f"state of parameter {info.name or info.index} has no {key!r}")
-                    value = _local_part(opt, info, info.param.detach(), key)  # master from the param
+                    value = _local_part(state, info, info.param.detach(), key)  # master from the param
                 else:
-                    value = _local_part(opt, info, entry[key], key)
-                _write_array(opt, info, akey, value.to(dtype=akey.dtype.torch, device=opt.device))
+                    value = _local_part(state, info, entry[key], key)
+                state.write(info, akey, value.to(dtype=akey.dtype.torch, device=state.device))
             if info.kind == "adamw":
                 if "step" not in entry:
                     raise KeyError(f"state of parameter {info.name or info.index} has no 'step'")
-                opt._adam_state[info.param]["step"] = torch.tensor(float(entry["step"]),
-                                                             dtype=torch.float32)
-            opt._initialized.add(info.index)
+                state.set_step_count(info, float(entry["step"]))
+            state.mark_initialized([info.index])
         for saved, mine in zip(groups, opt.param_groups):
             for k, v in saved.items():
                 if k not in ("params", "param_names", "use_muon"):

@@ -12,35 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from .state_io import lazy_state
+
 
 class StateView(Mapping):
-    """Read-only ``{parameter: {state key: tensor}}`` of a ZeroMuon (see the module docstring)."""
+    """Read-only ``{parameter: {state key: tensor}}`` of a ZeroMuon's state (an
+    ``optimizer_state.OptimizerState``; see the module docstring)."""
 
-    def __init__(self, opt):
-        self._opt = opt
+    def __init__(self, state):
+        self._state = state
 
     def _info(self, param):
-        info = self._opt._info_of.get(id(param))
-        if info is None or info.param is not param or info.index not in self._opt._initialized:
-            return None
-        return info
+        info = self._state.info_of(param)
+        return info if info is not None and self._state.initialized(info) else None
 
     def __getitem__(self, param) -> dict:
         info = self._info(param)
         if info is None:
             raise KeyError("this parameter has no optimizer state (not this optimizer's, or "
                            "before its first step)")
-        from .state_io import lazy_state
-        return lazy_state(self._opt, info)
+        return lazy_state(self._state, info)
 
     def __contains__(self, param) -> bool:
         return self._info(param) is not None
 
     def __iter__(self) -> Iterator:
-        return (info.param for info in self._opt.infos if info.index in self._opt._initialized)
+        return (info.param for info in self._state.initialized_infos())
 
     def __len__(self) -> int:
-        return len(self._opt._initialized)
+        return len(self._state.initialized_infos())
 
     def __repr__(self) -> str:
         return f"<ZeroMuon state of {len(self)} parameters (in its store)>"

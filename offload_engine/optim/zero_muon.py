@@ -27,7 +27,6 @@ from ..store import StoreConfig, TieredStore
 from ..store.geometry import array_pool_bytes
 from ..units import PAGE
 from .comm import Exchange, plan_exchange
-from .lazy_state import LazyViews
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
 from .muon_defaults import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 from .muon_math import NewtonSchulz
@@ -39,6 +38,7 @@ from .pipeline import MuonPipeline, StepContext, StepRunner
 from .resources import Scratch, StepResources
 from .sharding import check_grad, describe, exchange_group, flat_local, is_dtensor, local_tensor
 from .state_io import load_state, read_state
+from .optimizer_state import OptimizerState
 from .state_layout import build_layout
 from .state_view import StateView
 from .step_events import SLOTS, Leases, kept_tails, pool_use, working_buckets
@@ -121,7 +121,6 @@ class ZeroMuon(torch.optim.Optimizer):
 
     # -- construction ------------------------------------------------------------------------------
     def _build(self, store) -> None:
-        self._lazy = LazyViews()  # the state tensors handed out (lazy_state.py)
         infos: list[ParamInfo] = []
         for group in self.param_groups:
             kind = "muon" if group["use_muon"] else "adamw"
@@ -164,8 +163,6 @@ class ZeroMuon(torch.optim.Optimizer):
         self._open_store(store, cfg)
 
         self.resources = self._step_resources()
-        self._initialized: set[int] = set()
-        self._info_of = {id(i.param): i for i in infos}
         self._order_warned = False
         self._runner = StepRunner(self.resources)
         self.last_step_stats: StepStats | None = None
@@ -227,15 +224,16 @@ class ZeroMuon(torch.optim.Optimizer):
             cfg = StoreConfig.load({**cfg.model_dump(exclude_unset=True), "gpu_budget": staging})
         self._own_store = not isinstance(store, TieredStore)
         self._pinned: list = []
+        # the state (store handle, lazy tensors, step counts) is one object the optimizer owns
+        self.optimizer_state = OptimizerState(
+            TieredStore(cfg) if self._own_store else store,  # the lock is held from here
+            self.layout, self.infos, self.rank, self.device, self.array_name)
         if self._own_store:
-            self.store = TieredStore(cfg)  # holds the directory's write lock from here
             try:
                 self._handle_earlier_run()
             except BaseException:
                 self.store.close()
                 raise
-        else:
-            self.store = store
         try:
             spare = self._check_budget(cfg, needed)
             homes = {}
@@ -329,7 +327,8 @@ class ZeroMuon(torch.optim.Optimizer):
                 loss = closure()
         t0 = time.perf_counter()
         self._check_params_kept()
-        self._lazy.before_write()  # state dicts taken before keep their values
+        state = self.optimizer_state
+        state.before_write()  # state dicts taken before keep their values
         self.exchange.reset_counters()
         ns_before = self.ns.calls
         # the store owns the order: this step walks the way it says (alternating with
@@ -351,12 +350,8 @@ class ZeroMuon(torch.optim.Optimizer):
             params_flat[info.index] = flat_local(p, f"parameter {info.name or info.index}")
             grads_flat[info.index] = flat_local(p.grad, f"gradient of {info.name or info.index}")
             if info.kind == "adamw":
-                st = self._adam_state[p]
-                if "step" not in st:
-                    st["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-                st["step"] += 1
-                steps[info.index] = float(st["step"])
-        ctx = StepContext(reverse, active, active - self._initialized, params_flat, grads_flat, steps,
+                steps[info.index] = state.advance_step(info)
+        ctx = StepContext(reverse, active, state.uninitialized(active), params_flat, grads_flat, steps,
                           Leases(self.layout.uses()))
         pipe = MuonPipeline(self._runner, ctx)
         bundles = self.layout.bundles[::-1] if reverse else self.layout.bundles
@@ -375,7 +370,7 @@ class ZeroMuon(torch.optim.Optimizer):
             self._runner.give_back(ctx)
             raise
         assert ctx.leases.pending() == 0, "a shared bucket was not released"
-        self._initialized |= active
+        state.mark_initialized(active)
 
         st = self.store.stats(reset=True)
         self._steps_done += 1
@@ -403,13 +398,21 @@ class ZeroMuon(torch.optim.Optimizer):
     def state(self) -> StateView:
         """torch's ``optimizer.state`` as a read-only view: ``{param: {state key: tensor}}``
         for every parameter with state, values read from the store on use (see state_dict)."""
-        return StateView(self)
+        return StateView(self.optimizer_state)
 
     @state.setter
     def state(self, value) -> None:
-        # torch.optim.Optimizer.__init__ assigns its defaultdict here: it keeps the AdamW
-        # step counts, the only state held outside the store
-        self._adam_state = value
+        # torch.optim.Optimizer.__init__ assigns its empty defaultdict here; the AdamW step
+        # counts, the only state held outside the store, are the state object's
+        if getattr(self, "optimizer_state", None) is not None:
+            raise UsageError("ZeroMuon.state is a read-only view of the state in its store; "
+                             "use load_state_dict to change it")
+
+    @property
+    def store(self):
+        """The TieredStore holding this rank's state (None once ``close`` closed it)."""
+        state = getattr(self, "optimizer_state", None)
+        return None if state is None else state.store
 
     def state_dict(self) -> dict:
         """torch's optimizer state dict: per parameter ``momentum_buffer`` (Muon, lerp
@@ -435,7 +438,7 @@ class ZeroMuon(torch.optim.Optimizer):
     def close(self) -> None:
         """Flush and close the store this optimizer opened (a store passed in stays open)."""
         if getattr(self, "store", None) is not None:
-            self._lazy.before_write()  # state dicts still referenced keep their values
+            self.optimizer_state.before_write()  # state dicts still referenced keep their values
             self._release_pinned()
         if getattr(self, "_own_store", False) and self.store is not None:
             store = self.store
@@ -446,15 +449,10 @@ class ZeroMuon(torch.optim.Optimizer):
                 try:
                     store.close()
                 finally:
-                    self.store = None
-        self.store = None if getattr(self, "_own_store", False) else getattr(self, "store", None)
+                    self.optimizer_state.detach_store()
 
     def __enter__(self) -> "ZeroMuon":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _scalar_dtype() -> torch.dtype:
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
