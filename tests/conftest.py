@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # No test probes the disk by accident, and no developer's cached device profile changes what
 # a test does: stores use the built-in I/O defaults unless a test sets a mode or a profile
-# (tests/test_device_profile.py). Child processes inherit both.
+# (tests/io/test_device_profile.py). Child processes inherit both.
 os.environ["OFFLOAD_ENGINE_IO_PROBE"] = "0"
 _PROFILES = tempfile.mkdtemp(prefix="oe-test-profiles-")
 os.environ["OFFLOAD_ENGINE_PROFILE_DIR"] = _PROFILES

@@ -6,7 +6,7 @@
    rank in ``rank{r}/zarr.json``; MoE-like: attention and expert matrices on Muon, norms
    and routers on AdamW; arrays declared, chunk files absent: listing must not need them),
    written by the same manifest helpers as ``save_checkpoint`` and ZeroMuon
-   (``tests/synthetic.py``, the test suite's writer). A fresh process opens it and builds the summary and
+   (``tests/helpers/synthetic.py``, the test suite's writer). A fresh process opens it and builds the summary and
    the tensor table, as ``offload-engine inspect`` does before printing (imports excluded),
    with the page cache evicted first.
    Reported: seconds, bytes read (``/proc/self/io`` rchar, every read() of the process
@@ -21,6 +21,10 @@
    interleaved, medians reported. Goal: >= 80% of fio's bandwidth, peak RSS <= 512 MB.
 
     python tools/bench_inspect.py --path /nvme/bench [--state 1.5GiB] [--runs 3]
+
+``--smoke`` runs the same code at tiny sizes (200 tensors over 2 ranks; the smallest
+``--stats`` store, 24 MiB; one run) in seconds and prints the same JSON: the test suite runs
+it so the tool cannot rot. Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ import sys
 import tempfile
 import time
 
-# the test suite's manifest writer (tests/synthetic.py) builds the stores
+# the test suite's manifest writer (tests/helpers/synthetic.py) builds the stores
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 GOALS = {"list_seconds": 2.0, "list_read_bytes": 8e6, "stats_vs_fio": 0.8,
          "stats_peak_rss_bytes": 512e6}
+# --smoke: the sizes it sets (everything else as given); 1 MiB of state gives the smallest
+# --stats store (one Muon and one AdamW matrix: 24 MiB)
+SMOKE = {"tensors": 200, "world_size": 2, "state": "1MiB", "runs": 1}
 
 
 def peak_rss() -> int:
@@ -93,7 +100,7 @@ def moe_tensors(count: int) -> dict:
 
 
 def build_list_store(path: str, tensors: int, world: int) -> dict:
-    from synthetic import write_sharded
+    from helpers.synthetic import write_sharded
     from offload_engine.layout.manifest import shard_table_path
     t0 = time.perf_counter()
     attrs = write_sharded(path, moe_tensors(tensors), world, kind="store", step=1000, data=False)
@@ -107,7 +114,7 @@ def build_stats_store(path: str, state_bytes: int, world: int) -> dict:
     """Muon matrices (momentum) and AdamW matrices (two moments), half the bytes each,
     filled with random fp32 values, 64 MiB chunk files."""
     import torch
-    from synthetic import write_sharded
+    from helpers.synthetic import write_sharded
     from offload_engine.io import AsyncFileIO
     from offload_engine.layout import FlatArray
     f32 = torch.float32
@@ -218,7 +225,7 @@ def fio_read(path: str, size: int) -> float:
     return job["read"]["bw_bytes"] / 1e9
 
 
-def main() -> int:
+def main(argv=None) -> int:
     children = {"--child-list": child_list, "--child-tables": child_tables,
                 "--child-stats": child_stats}
     if len(sys.argv) == 3 and sys.argv[1] in children:
@@ -235,7 +242,11 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip", choices=["list", "stats"], action="append", default=[])
     ap.add_argument("--keep", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     base = tempfile.mkdtemp(prefix="bench_inspect.", dir=args.path)
     out = {"goals": GOALS, "environment": {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "directory": base,

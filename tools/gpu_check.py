@@ -16,7 +16,7 @@ Sections, each independent (a failure is recorded with its error and the next on
   and the bytes it moved over PCIe (none).
 - ``dcp_memory``: ``dcp.save`` / ``dcp.load`` (torchtitan's flattened flow) of a CUDA model's
   ZeroMuon state, 32 times its largest parameter's: the growth of the host's peak RSS
-  (tests/dcp_memory.py in its own process), which must stay a small part of the state.
+  (tests/helpers/dcp_memory.py in its own process), which must stay a small part of the state.
   DCP's writer keeps every tensor it wrote in host memory until the rank's file is written;
   the state's lazy tensors hand it host tensors that hold no bytes.
 
@@ -206,10 +206,11 @@ def check_gpu_tier(tmp: str) -> dict:
 
 def check_dcp_memory(tmp: str) -> dict:
     if not torch.cuda.is_available():
-        return {"skipped": "no CUDA (tests/test_zero_muon_dcp.py measures the CPU case)"}
+        return {"skipped": "no CUDA (tests/optim/test_zero_muon_dcp.py measures the CPU case)"}
     import subprocess
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="131072")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "dcp_memory.py"),
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="131072",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))  # helpers.*
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "helpers", "dcp_memory.py"),
                           os.path.join(tmp, "dcp"), "cuda"],
                          capture_output=True, text=True, env=env, timeout=300)
     if out.returncode != 0:

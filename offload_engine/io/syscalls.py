@@ -4,7 +4,7 @@ Each function is the ``os`` call it is named after, preceded by ``faults.point``
 fault injection, io/faults.py; one global read when disarmed). The modules of io/,
 layout/, store/ and checkpoint/ that write (or read what they wrote) call these instead
 of ``os``, so a test can make any one of their calls fail the way a full disk or a failing
-device would (tests/test_fault_injection.py checks that no direct call is left).
+device would (tests/io/test_fault_injection.py checks that no direct call is left).
 Calls on a descriptor take the file's path too, for the fault plan to match it by.
 
 Errors are the ``OSError`` of the call; the callers turn them into errors that say what

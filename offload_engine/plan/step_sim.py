@@ -5,10 +5,10 @@ not simply the tail of the previous step's order: ZeroMuon holds the master buck
 to three Muon bundles between its pipeline stages, and a bucket shared by two bundles from
 its first use to its last, and a held bucket cannot be evicted, so buckets used while
 others are held are pushed out instead. This module replays, without data, the store
-calls ``optim/pipeline.py`` makes (``optim.step_events.step_events``: per Muon bundle,
-acquire each row's momentum (+ master), release the momentum, hold the masters until the
-bundle's apply stage; per AdamW bundle, acquire a row, release it, advance the pipeline one
-stage) on a model of ``TieredStore``:
+calls of the step schedule ZeroMuon's step runs (``optim.step_schedule.store_calls``: per
+Muon bundle, acquire each row's momentum (+ master), release the momentum, hold the
+masters until the bundle's apply stage; per AdamW bundle, acquire a row, release it,
+advance the pipeline one stage) on a model of ``TieredStore``:
 
 - a pool of ``cpu_budget`` bytes with the store's first-fit page-aligned extents
   (``io.extents.Extents``, the class the pool itself uses);
@@ -19,12 +19,12 @@ stage) on a model of ``TieredStore``:
   one it fetches, and eviction by next use; a dirty victim is written back first;
 - a bucket never written is zero-filled, not read;
 - the short last buckets of the NVMe arrays are acquired once, before the first step, and
-  never let go when the pool has room for them (``optim.step_events.kept_tails``, ZeroMuon's
+  never let go when the pool has room for them (``optim.pool_budget.kept_tails``, ZeroMuon's
   own rule).
 
 I/O is taken as instantaneous, so a write-back frees its buffer at once (the store waits for
 it): no write-back is ever in flight here, and the policy's rules about them (credit, demand
-fills that wait for write-backs) never apply. ``tests/test_plan_calibration.py`` checks the
+fills that wait for write-backs) never apply. ``tests/plan/test_plan_calibration.py`` checks the
 result against the store's counters.
 """
 
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from ..io.align import round_up
 from ..io.extents import Extents
-from ..optim.step_events import kept_tails, pool_use, step_events
+from ..optim.pool_budget import kept_tails, pool_use
+from ..optim.step_schedule import store_calls
 from ..store.geometry import bucket_sizes, pool_bytes
 from ..store.policy import ResidencyPolicy
 from ..errors import InputError
@@ -151,7 +152,7 @@ def simulate(layout, arrays: dict, homes: dict[str, str], cpu_budget: int, prefe
     for key in kept_tails(layout, homed, pool_use(layout, homed, cpu_budget).spare):
         sim.acquire(key)       # ZeroMuon keeps these acquired from its construction on
     policy.declare(forward, backward)  # as ZeroMuon does, once
-    events = {False: step_events(layout, False), True: step_events(layout, True)}
+    events = {False: store_calls(layout, False), True: store_calls(layout, True)}
     res = SimResult([], [], [])
     for _ in range(steps):
         res.resident.append(sum(b.nbytes for b in buckets.values()
