@@ -38,13 +38,13 @@ weights or mixed amsgrad).
 
 **Shared buckets.** A bundle's first and last buckets may hold the neighbouring bundles'
 state too, so a bucket can be used by two (or more) rows of one step. The step keeps such a
-bucket acquired from its first use to its last (``step_events.Leases``): it is read once
+bucket acquired from its first use to its last (``step_schedule.Leases``): it is read once
 and written once per step, like any other. The store's schedule lists it once, at its first
 use in the step's walking direction (``step_order``).
 
 **Short tails.** An array's last bucket is usually shorter than a bucket. When the pinned
 pool has room for them beyond the step's working set, ZeroMuon keeps these buckets of the
-NVMe-homed arrays acquired for its whole life (``short_tails``, ``step_events.kept_tails``;
+NVMe-homed arrays acquired for its whole life (``short_tails``, ``pool_budget.kept_tails``;
 written by ``flush``/``close``), so every bucket the store evicts and reads is a full one.
 """
 
@@ -146,6 +146,12 @@ class Layout:
     padding: dict[str, int] = field(default_factory=dict)  # name -> elements that hold no state
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def memo(self, key, make):
+        """``make()``, computed once per layout (a layout does not change once built)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
     def bundle_of(self, param: int) -> Bundle:
         """The bundle holding parameter ``param``'s state."""
         return self.bundles[self.param_bundle[param]]
@@ -192,7 +198,7 @@ class Layout:
 
     def short_tails(self) -> list[tuple[str, int]]:
         """(array, last bucket) of every array whose last bucket is shorter than a bucket.
-        ZeroMuon may keep them acquired for its lifetime (``step_events.kept_tails``)."""
+        ZeroMuon may keep them acquired for its lifetime (``pool_budget.kept_tails``)."""
         out = []
         for name, a in self.arrays.items():
             be = elems_per_bucket(self.bucket_bytes, a.dtype)

@@ -34,14 +34,15 @@ from .owners import assign_owners
 from .param_names import module_aware, name_params
 from .param_rules import default_use_muon
 from .params import ParamInfo
-from .pipeline import MuonPipeline, StepContext, StepRunner
+from .pipeline import StepContext, StepRunner
+from .pool_budget import kept_tails, pool_use, working_buckets
 from .resources import Scratch, StepResources
 from .sharding import check_grad, describe, exchange_group, flat_local, is_dtensor, local_tensor
 from .state_io import load_state, read_state
 from .optimizer_state import OptimizerState
 from .state_layout import build_layout
 from .state_view import StateView
-from .step_events import SLOTS, Leases, kept_tails, pool_use, working_buckets
+from .step_schedule import SLOTS, step_schedule
 from .step_stats import StepStats
 from .store_dir import STALE_STORE_CHOICES, array_home, rank_store_config, stale_store_message
 from .store_manifest import store_manifest
@@ -351,25 +352,18 @@ class ZeroMuon(torch.optim.Optimizer):
             grads_flat[info.index] = flat_local(p.grad, f"gradient of {info.name or info.index}")
             if info.kind == "adamw":
                 steps[info.index] = state.advance_step(info)
-        ctx = StepContext(reverse, active, state.uninitialized(active), params_flat, grads_flat, steps,
-                          Leases(self.layout.uses()))
-        pipe = MuonPipeline(self._runner, ctx)
-        bundles = self.layout.bundles[::-1] if reverse else self.layout.bundles
+        ctx = StepContext(reverse, active, state.uninitialized(active), params_flat, grads_flat,
+                          steps)
         try:
-            for bundle in bundles:
-                if bundle.kind == "muon":
-                    pipe.push(bundle)
-                else:
-                    self._runner.adamw_bundle(bundle, ctx)
-                    pipe.advance()
-            pipe.drain()
+            # the one order of the step's store calls and stages (the planner replays it)
+            self._runner.run(ctx, step_schedule(self.layout, reverse, active))
         except BaseException:
             # an I/O error (a full disk) ended the step part way: the state and parameters
             # are partly updated, as after any failed in-place step, but no bucket stays
             # lent, so the next step, a flush or a close still work (docs/optimizer.md)
             self._runner.give_back(ctx)
             raise
-        assert ctx.leases.pending() == 0, "a shared bucket was not released"
+        assert not ctx.lent, "a bucket was not released"
         state.mark_initialized(active)
 
         st = self.store.stats(reset=True)

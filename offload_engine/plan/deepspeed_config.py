@@ -23,7 +23,7 @@ from ..errors import InputError
 
 NVME_SUBDIR = "offload-engine"     # our group beside DeepSpeed's zero_stage_3/ swap folders
 # Buckets a ZeroMuon step holds at once with state on NVMe: 2 to 6 for the layouts we know
-# (optim/step_events.working_buckets); ZeroMuon refuses a smaller pool by name.
+# (optim/pool_budget.working_buckets); ZeroMuon refuses a smaller pool by name.
 MIN_POOL_BUCKETS = 8
 MAX_THREADS = 256                  # StoreConfig's limits on io_threads and queue_depth
 MAX_QUEUE_DEPTH = 1024

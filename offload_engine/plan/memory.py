@@ -33,7 +33,7 @@ from ..optim.owners import assign_owners
 from ..optim.param_rules import use_muon_for
 from ..optim.params import ParamInfo
 from ..optim.state_layout import ArrayKey, StateKind, build_layout
-from ..optim.step_events import SLOTS
+from ..optim.step_schedule import SLOTS
 from ..optim.store_manifest import manifest_tables
 from ..store.config import default as store_default
 from ..store.geometry import array_pool_bytes, bucket_sizes, elems_per_bucket

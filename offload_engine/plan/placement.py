@@ -9,7 +9,7 @@ one homed on ``nvme`` is cached there a bucket at a time. So the choice is:
   (ZeroMuon's own sizing when it is given no store);
 - ``nvme`` otherwise: ``cpu_budget`` is what a rank can pin, rounded down to whole buckets
   and capped at the state plus its working room; it must hold ZeroMuon's working set
-  (``optim.step_events.working_buckets``: the most buckets a step holds at once plus one,
+  (``optim.pool_budget.working_buckets``: the most buckets a step holds at once plus one,
   the optimizer's own check);
 - on a CUDA device, ``gpu_budget`` is the staging arena ZeroMuon's acquires need (the same
   number of buckets, as ZeroMuon sizes it when it opens the store itself).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..io.align import round_up
 from ..units import PAGE, GiB
-from ..optim.step_events import working_buckets  # ZeroMuon's own bound; planner imports it here
+from ..optim.pool_budget import working_buckets  # ZeroMuon's own bound; planner imports it here
 from .memory import RankState
 
 HOST_PER_RANK = 4 * GiB        # pageable memory of one training process (torch, CUDA host side)

@@ -8,7 +8,7 @@ bytes: the pool hands out page-aligned extents so O_DIRECT can read into them).
 This is the one place for that arithmetic. ``TieredStore.register`` cuts arrays with it,
 ZeroMuon sizes its default pool with it, and the planner's step replay
 (``plan/step_sim.py``) sizes its model pool with it; the optimizer's layout
-(``optim/state_layout.py``, ``optim/step_events.py``) and the planner's byte model
+(``optim/state_layout.py``, ``optim/pool_budget.py``) and the planner's byte model
 (``plan/memory.py``) and the checkpoint writer (its chunk files match the buckets) do too. Pure integer arithmetic: no torch, nothing else
 imported but the dtype table.
 """
