@@ -24,6 +24,10 @@ Each mode runs ``--runs`` times (alternating); medians are reported. The generat
 bytes over the blocking save's time give its GB/s, next to fio's sequential O_DIRECT write.
 
     python tools/bench_checkpoint.py --path /nvme/bench --runs 3
+
+``--smoke`` runs the same code at tiny sizes (a 2-block model of width 64, 16 KiB buckets,
+one run of each mode, an 8 MiB fio file) in seconds and prints the same JSON: the test
+suite runs it so the tool cannot rot. Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -81,6 +85,11 @@ def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
+# --smoke: the sizes it sets (everything else as given)
+SMOKE = {"dim": 64, "layers": 2, "vocab": 256, "batch": 1, "seq": 8, "bucket": 16 << 10,
+         "warmup": 1, "baseline_iters": 2, "runs": 1, "fio_size": 8 << 20, "fio_runs": 1}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True, help="a directory on the disk to measure")
@@ -98,7 +107,11 @@ def main(argv=None) -> int:
     p.add_argument("--fio-size", type=parse_bytes, default=parse_bytes("1GiB"))
     p.add_argument("--fio-runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.threads:
         torch.set_num_threads(args.threads)
 

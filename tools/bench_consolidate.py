@@ -26,6 +26,13 @@ DeepSpeed's peak RSS (``rss_ratio`` = ours / deepspeed).
 
     python tools/bench_consolidate.py --path /work/bench --make \\
         --deepspeed-python /tmp/dsvenv/bin/python
+
+``--deepspeed-python ''`` runs ours alone (no speedup, nothing compared). ``--smoke`` runs
+the same code at tiny sizes in seconds and prints the same JSON (its figures mean nothing;
+the test suite runs it so the tool cannot rot): one run of each tool, an 8 MiB fio file, and
+a tiny checkpoint: with ``--make``, made by make_ds_checkpoint.py ``--smoke``; otherwise
+``--checkpoint`` or the test suite's DeepSpeed fixture
+``tests/fixtures/deepspeed_import/zero3_w2_fp32_adamw``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, TOOLS)
 
 GOALS = {"speedup_at_least": 3.0, "rss_ratio_at_most": 0.25}
+# --smoke: the sizes it sets (everything else as given), and its checkpoint without --make
+SMOKE = {"runs": 1, "fio_size": 8 << 20, "fio_runs": 1, "timeout": 300.0}
+SMOKE_CHECKPOINT = os.path.join(ROOT, "tests", "fixtures", "deepspeed_import", "zero3_w2_fp32_adamw")
 TIME = "/usr/bin/time"
 
 
@@ -121,8 +131,9 @@ def measure_disk(directory: str, size: int, runs: int) -> dict:
 
 
 # -- the checkpoint -----------------------------------------------------------------------------
-def make_checkpoint(python: str, path: str, world: int) -> None:
-    cmd = [python, os.path.join(TOOLS, "make_ds_checkpoint.py"), "--out", path, "--world", str(world)]
+def make_checkpoint(python: str, path: str, world: int, smoke: bool = False) -> None:
+    cmd = [python, os.path.join(TOOLS, "make_ds_checkpoint.py"), "--out", path, "--world", str(world),
+           *(["--smoke"] if smoke else [])]
     log(f"making the DeepSpeed checkpoint: {' '.join(cmd)}")
     proc = subprocess.run(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True)
     if proc.returncode:
@@ -270,18 +281,28 @@ def main(argv=None) -> int:
                    help="make the checkpoint with tools/make_ds_checkpoint.py when it is missing")
     p.add_argument("--world", type=int, default=2, help="world size of a checkpoint made here")
     p.add_argument("--deepspeed-python", default="/tmp/dsvenv/bin/python",
-                   help="interpreter with deepspeed 0.19.8 + huggingface_hub (runs zero_to_fp32.py)")
+                   help="interpreter with deepspeed 0.19.8 + huggingface_hub (runs zero_to_fp32.py); "
+                        "'' to run ours alone")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--fio-size", type=parse_bytes, default=parse_bytes("2GiB"))
     p.add_argument("--fio-runs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per tool run")
     p.add_argument("--keep", action="store_true",
                    help="keep the outputs (and a checkpoint made in a temporary folder)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+        if not args.make and not args.checkpoint:
+            args.checkpoint = SMOKE_CHECKPOINT
+    startup_runs = 1 if args.smoke else 3
 
     if not os.path.exists(TIME):
         raise SystemExit(f"bench_consolidate: {TIME} is missing (apt-get install time)")
-    if not os.path.exists(args.deepspeed_python):
+    if args.make and not args.deepspeed_python:
+        raise SystemExit("bench_consolidate: --make needs --deepspeed-python")
+    if args.deepspeed_python and not os.path.exists(args.deepspeed_python):
         raise SystemExit(f"bench_consolidate: {args.deepspeed_python} not found: "
                          f"python3 -m venv /tmp/dsvenv && /tmp/dsvenv/bin/pip install torch==2.13.0 "
                          f"deepspeed==0.19.8 huggingface_hub")
@@ -293,7 +314,7 @@ def main(argv=None) -> int:
     if not os.path.exists(os.path.join(ckpt, "latest")):
         if not args.make:
             raise SystemExit(f"bench_consolidate: no DeepSpeed checkpoint at {ckpt} (pass --make)")
-        make_checkpoint(args.deepspeed_python, ckpt, args.world)
+        make_checkpoint(args.deepspeed_python, ckpt, args.world, args.smoke)
         made = True
     work = tempfile.mkdtemp(prefix="outputs.", dir=base)
     out_ours, out_ds = os.path.join(work, "ours"), os.path.join(work, "deepspeed")
@@ -301,11 +322,10 @@ def main(argv=None) -> int:
     z2f = os.path.join(ckpt, "zero_to_fp32.py")
     ds_script = [z2f] if os.path.exists(z2f) else ["-m", "deepspeed.utils.zero_to_fp32"]
     ds_env = {"DS_ACCELERATOR": "cpu"}
-    methods = {
-        "ours": ([oe, "consolidate", ckpt, out_ours], None, out_ours),
-        "deepspeed": ([args.deepspeed_python, *ds_script, ckpt, out_ds, "--safe_serialization"],
-                      ds_env, out_ds),
-    }
+    methods = {"ours": ([oe, "consolidate", ckpt, out_ours], None, out_ours)}
+    if args.deepspeed_python:
+        methods["deepspeed"] = ([args.deepspeed_python, *ds_script, ckpt, out_ds,
+                                 "--safe_serialization"], ds_env, out_ds)
     try:
         facts = checkpoint_facts(ckpt)
         ckpt_files = [os.path.join(facts["tag_dir"], f) for f in facts["files"]]
@@ -323,10 +343,10 @@ def main(argv=None) -> int:
         log(f"fio in {work} ({args.fio_size} bytes, {args.fio_runs} runs each)")
         result["fio"] = measure_disk(work, args.fio_size, args.fio_runs)
         log("startup (interpreter + imports, no work)")
-        result["startup_s_median"] = {
-            "ours": startup_s([oe, "consolidate", "--help"], None, 3),
-            "deepspeed": startup_s([args.deepspeed_python, "-c", "import deepspeed.utils.zero_to_fp32"],
-                                   ds_env, 3)}
+        result["startup_s_median"] = {"ours": startup_s([oe, "consolidate", "--help"], None, startup_runs)}
+        if "deepspeed" in methods:
+            result["startup_s_median"]["deepspeed"] = startup_s(
+                [args.deepspeed_python, "-c", "import deepspeed.utils.zero_to_fp32"], ds_env, startup_runs)
         runs: dict[str, list[dict]] = {k: [] for k in methods}
         for i in range(args.runs):
             order = list(methods) if i % 2 == 0 else list(methods)[::-1]
@@ -347,7 +367,10 @@ def main(argv=None) -> int:
                 log(f"  wall {r['wall_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
                     f"exit {r['returncode']}")
         result["methods"] = {k: summarize(v) for k, v in runs.items()}
-        ours, ds = result["methods"]["ours"], result["methods"]["deepspeed"]
+        # without DeepSpeed: its figures and every ratio are None
+        none = {"wall_s_median": None, "peak_rss_bytes_median": None, "wall_plus_flush_s_median": None,
+                "failed_runs": None}
+        ours, ds = result["methods"]["ours"], result["methods"].get("deepspeed", none)
         ok = ours["wall_s_median"] and ds["wall_s_median"]
         result["speedup"] = ds["wall_s_median"] / ours["wall_s_median"] if ok else None
         result["rss_ratio"] = ours["peak_rss_bytes_median"] / ds["peak_rss_bytes_median"] if ok else None
@@ -362,7 +385,8 @@ def main(argv=None) -> int:
                                    if ok and work_s["ours"] > 0 else None}
         result["goals_met"] = {
             "speedup": bool(ok and result["speedup"] >= GOALS["speedup_at_least"]),
-            "rss_ratio": bool(ok and result["rss_ratio"] <= GOALS["rss_ratio_at_most"])}
+            "rss_ratio": bool(ok and result["rss_ratio"] <= GOALS["rss_ratio_at_most"])
+        } if "deepspeed" in methods else {"speedup": None, "rss_ratio": None}
         moved = facts["needed_read_bytes"] + facts["output_bytes"]
         fio_r, fio_w = result["fio"]["read"]["gbps"], result["fio"]["write"]["gbps"]
         disk_bound_serial = facts["needed_read_bytes"] / fio_r / 1e9 + facts["output_bytes"] / fio_w / 1e9
@@ -378,7 +402,9 @@ def main(argv=None) -> int:
             "disk_bound_s": {"read_then_write": disk_bound_serial, "overlapped": disk_bound_overlap},
             "ours_wall_over_disk_bound": (ours["wall_s_median"] / disk_bound_serial
                                           if ours["wall_s_median"] else None)}
-        if all(os.path.exists(o) for _c, _e, o in methods.values()) and not ds["failed_runs"]:
+        if "deepspeed" not in methods:
+            result["outputs_equal"] = {"equal": None, "why": "DeepSpeed not run; nothing to compare"}
+        elif all(os.path.exists(o) for _c, _e, o in methods.values()) and not ds["failed_runs"]:
             log("comparing the outputs tensor by tensor")
             result["outputs_equal"] = compare_outputs(out_ours, out_ds)
         else:

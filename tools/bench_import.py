@@ -16,6 +16,12 @@ throughput (the bytes it must read plus the bytes it writes, over its wall time)
 against the disk-bound time: reading at fio's read speed, then writing at its write speed.
 
     python tools/bench_import.py                     # /work/bench/ds270m, W=2 -> W=2
+
+``--smoke`` runs the same code at tiny sizes in seconds and prints the same JSON (its
+figures mean nothing; the test suite runs it so the tool cannot rot): one run, an 8 MiB fio
+file, and by default the test suite's DeepSpeed fixture
+``tests/fixtures/deepspeed_import/zero3_w2_fp32_adamw``, outputs under the system's
+temporary folder (never beside the fixture).
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, TOOLS)
 
-from bench_consolidate import TIME, clear, measure_disk, summarize, timed  # noqa: E402
+from bench_consolidate import SMOKE_CHECKPOINT, TIME, clear, measure_disk, summarize, timed  # noqa: E402
+
+# --smoke: the sizes it sets (everything else as given)
+SMOKE = {"runs": 1, "fio_size": 8 << 20, "fio_runs": 1, "timeout": 300.0}
 
 
 def log(msg: str) -> None:
@@ -69,7 +78,9 @@ def main(argv=None) -> int:
     from offload_engine.units import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="/work/bench/ds270m", help="DeepSpeed checkpoint folder")
+    p.add_argument("--checkpoint", default=None,
+                   help="DeepSpeed checkpoint folder (default /work/bench/ds270m; with --smoke, "
+                        "the test suite's fixture)")
     p.add_argument("--path", help="folder on the disk under test for the outputs (default: a "
                                   "temporary folder beside the checkpoint)")
     p.add_argument("--world-size", type=int, default=2)
@@ -77,14 +88,20 @@ def main(argv=None) -> int:
     p.add_argument("--fio-size", type=parse_bytes, default=parse_bytes("2GiB"))
     p.add_argument("--fio-runs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    args.checkpoint = args.checkpoint or (SMOKE_CHECKPOINT if args.smoke else "/work/bench/ds270m")
     if not os.path.exists(TIME):
         raise SystemExit(f"bench_import: {TIME} is missing (apt-get install time)")
     ckpt = os.path.abspath(args.checkpoint)
     if not os.path.exists(os.path.join(ckpt, "latest")):
         raise SystemExit(f"bench_import: no DeepSpeed checkpoint at {ckpt} "
                          f"(make one: tools/make_ds_checkpoint.py --out {ckpt})")
-    base = tempfile.mkdtemp(prefix="bench_import.", dir=args.path or os.path.dirname(ckpt))
+    beside = None if args.smoke else os.path.dirname(ckpt)   # the fixture's folder stays clean
+    base = tempfile.mkdtemp(prefix="bench_import.", dir=args.path or beside)
     out = os.path.join(base, "out")
     oe = os.path.join(os.path.dirname(sys.executable), "offload-engine")
     cmd = [oe, "import", "deepspeed", ckpt, out, "--world-size", str(args.world_size)]

@@ -14,6 +14,9 @@ Reported: every run's seconds, the median per command, and each command's median
 ``import torch``'s. Goal (issue 13): plan <= 0.5x ``import torch``.
 
     python tools/bench_startup.py [--runs 3]
+
+``--smoke``: one run of each command and no untimed warm-up pass (seconds; the same JSON,
+whose figures then mean little): the test suite runs it so the tool cannot rot.
 """
 
 from __future__ import annotations
@@ -57,12 +60,16 @@ def timed(argv: list[str]) -> float:
     return seconds
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="fresh processes per command (default 3)")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="one run per command, no warm-up pass (seconds; figures mean little)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.runs = 1
     cmds = commands()
-    for argv in cmds.values():  # warm the byte-code caches once; not timed
+    for argv in cmds.values() if not args.smoke else ():  # warm the byte-code caches once; not timed
         timed(argv)
     runs: dict[str, list[float]] = {name: [] for name in cmds}
     for _ in range(args.runs):

@@ -39,6 +39,12 @@ offload on the same model (``--deepspeed-python``: a venv with deepspeed 0.19.8 
 this repo's torch; see docs/optimizer.md).
 
     python tools/bench_step.py --path /nvme/bench --world 2 --steps 5 --warmup 1
+
+``--smoke`` runs the same code at tiny sizes (a 2-block model of width 64, one measured
+step, 16 KiB buckets, an 8 MiB fio file) in seconds and prints the same JSON: the test
+suite runs it (with ``--deepspeed-python`` where deepspeed is installed) so the tool
+cannot rot. Its figures mean nothing. Exit code 1 when a run failed (its entry in
+``results`` then holds ``error`` and the end of its stderr).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -161,7 +168,7 @@ def _rank_main(rank, world, a, out_prefix):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from offload_engine.optim import ZeroMuon
-    from offload_engine.optim.step_events import working_buckets
+    from offload_engine.optim.pool_budget import working_buckets
 
     torch.set_num_threads(a["threads"])
     dist.init_process_group("gloo", init_method=f"file://{out_prefix}.rendezvous", rank=rank,
@@ -303,7 +310,7 @@ def summarize(ranks: list[dict], fio_gbps: float) -> dict:
             "state_bytes": r["state_bytes"], "padding_bytes": sum(a["padding_bytes"]
                                                                   for a in r["arrays"].values()),
             "pool_bytes": r["pool_bytes"], "working_buckets": r["working_buckets"],
-            "kept_tails": r["kept_tails"], "chunks": r["chunks"], "shared_buckets": r["shared_buckets"],
+            "kept_tails": r["kept_tails"], "bundles": r["bundles"], "shared_buckets": r["shared_buckets"],
             "a2a_bytes_sent": med(r, "nvme", "a2a_bytes_sent"),
             "a2a_bytes_received": med(r, "nvme", "a2a_bytes_received"),
             "a2a_calls": med(r, "nvme", "a2a_calls"),
@@ -332,6 +339,30 @@ def summarize(ranks: list[dict], fio_gbps: float) -> dict:
 
 
 # -- the driver ---------------------------------------------------------------------------------------
+def run_group(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str]:
+    """Run ``cmd`` in a session of its own: (exit code, stdout, stderr); exit code None when
+    it ran past ``timeout`` seconds, and then the whole session (its ranks, a DeepSpeed
+    op build) is killed, not only the process we started."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+    return proc.returncode, out, err
+
+
+def worker_result(rc: int | None, out: str, err: str, timeout: float) -> dict:
+    """The worker's ``BENCH_RESULT`` object, or ``{"error", "stderr_tail"}``."""
+    line = next((l for l in out.splitlines()[::-1] if l.startswith("BENCH_RESULT ")), None)
+    if rc != 0 or line is None:
+        why = f"timed out after {timeout} s" if rc is None else f"exit code {rc}"
+        return {"error": why, "stderr_tail": (err or out).strip().splitlines()[-20:]}
+    return json.loads(line[len("BENCH_RESULT "):])
+
+
 def run_worker(args, master: bool) -> dict:
     a = {"world": args.world, "threads": args.threads, "master": master, "vocab": args.vocab,
          "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
@@ -341,14 +372,18 @@ def run_worker(args, master: bool) -> dict:
          "block_size": args.block_size, "prefetch_depth": args.prefetch_depth}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(a)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    line = next((l for l in proc.stdout.splitlines()[::-1] if l.startswith("BENCH_RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-20:]
-        return {"error": f"exit code {proc.returncode}", "stderr_tail": tail}
-    out = json.loads(line[len("BENCH_RESULT "):])
-    out["wall_s"] = time.perf_counter() - t0
+    out = worker_result(*run_group(cmd, args.timeout), args.timeout)
+    if "error" not in out:
+        out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+# --smoke: the sizes it sets (everything else as given)
+# (about 150k parameters; 16 KiB buckets and a pool of a few of them, so the state streams)
+SMOKE = {"steps": 1, "warmup": 1, "vocab": 256, "dim": 64, "layers": 2, "batch": 1, "seq": 8,
+         "bucket_bytes": 16 << 10, "extra_buckets": 2, "io_threads": 2, "queue_depth": 2,
+         "block_size": 16 << 10, "prefetch_depth": 2, "fio_size": 8 << 20, "fio_runs": 1,
+         "threads": 1, "timeout": 300}
 
 
 def main(argv=None) -> int:
@@ -382,7 +417,11 @@ def main(argv=None) -> int:
                    help="also run DeepSpeed ZeRO-3 Muon with NVMe offload on the same model with "
                         "this interpreter (a venv with deepspeed 0.19.8 and this repo's torch)")
     p.add_argument("--timeout", type=int, default=3600)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.worker:
         a = json.loads(args.worker)
         ranks = _spawn(a, _ds_rank_main if a.get("deepspeed") else _rank_main)
@@ -433,7 +472,7 @@ def main(argv=None) -> int:
         ],
     }
     print(json.dumps(report, indent=2))
-    return 0
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
 def run_deepspeed(args) -> dict:
@@ -442,13 +481,11 @@ def run_deepspeed(args) -> dict:
          "steps": args.steps, "warmup": args.warmup, "path": args.path,
          "bucket_bytes": args.bucket_bytes, "port": 29600 + os.getpid() % 1000}
     cmd = [args.deepspeed_python, os.path.abspath(__file__), "--worker", json.dumps(a)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    line = next((l for l in proc.stdout.splitlines()[::-1] if l.startswith("BENCH_RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        return {"error": f"exit code {proc.returncode}",
-                "stderr_tail": (proc.stderr or proc.stdout).strip().splitlines()[-20:]}
-    ranks = json.loads(line[len("BENCH_RESULT "):])["ranks"]
+    out = worker_result(*run_group(cmd, args.timeout, {**os.environ, "DS_ACCELERATOR": "cpu"}),
+                        args.timeout)
+    if "error" in out:
+        return out
+    ranks = out["ranks"]
     med = lambda r, k: _median([s[k] for s in r["steps"]])
     return {"step_s": max(med(r, "step_s") for r in ranks),
             "iteration_s": max(med(r, "step_s") + med(r, "fwd_bwd_s") for r in ranks),

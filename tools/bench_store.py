@@ -20,6 +20,10 @@ the profile's read block size, queue depth and streams. Each setting's store dir
 before the next one starts, so the disk needs room for one state, not two.
 
     python tools/bench_store.py --path /nvme/bench --state 2GiB --cpu-budget 512MiB
+
+``--smoke`` runs the same code at tiny sizes (a 4 MiB state in 256 KiB buckets, a 1 MiB
+pool, one measured step, an 8 MiB fio file) in seconds and prints the same JSON: the test
+suite runs it so the tool cannot rot. Its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -134,6 +138,11 @@ def run_setting(args, directory: str, factor: float, disk_gbps: float) -> dict:
     }
 
 
+# --smoke: the sizes it sets (everything else as given)
+SMOKE = {"state": 4 << 20, "cpu_budget": 1 << 20, "bucket": 256 << 10, "steps": 1,
+         "fio_runs": 1, "fio_size": 8 << 20, "prefetch_depth": 2}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", default=".", help="directory on the disk under test")
@@ -147,7 +156,13 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch-depth", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--fio-runs", type=int, default=3)
+    p.add_argument("--fio-size", type=parse_bytes, default=parse_bytes("1GiB"),
+                   help="fio's file (at most --state)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
     args = p.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.state <= args.cpu_budget:
         p.error("--state must be larger than --cpu-budget (the point is to offload)")
     work = tempfile.mkdtemp(prefix="bench-store-", dir=args.path)
@@ -158,8 +173,9 @@ def main(argv=None) -> int:
         block = args.block_size or profile["read"]["block_bytes"]
         qd = args.queue_depth or profile["read"]["queue_depth"]
         streams = profile["read"].get("streams", 1)
-        fio = fio_mixed_gbps(work, min(args.state, parse_bytes("1GiB")), block, qd, args.fio_runs,
-                             streams)
+        # fio refuses a file smaller than one block per job
+        fio_size = max(min(args.state, args.fio_size), block * streams)
+        fio = fio_mixed_gbps(work, fio_size, block, qd, args.fio_runs, streams)
         disk = fio["mixed"]["gbps"]
         result = {
             "state_bytes": args.state, "cpu_budget": args.cpu_budget, "bucket_bytes": args.bucket,
