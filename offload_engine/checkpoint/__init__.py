@@ -7,10 +7,9 @@ Reading a generation back goes through the one reader of our format
 imported on first use: they pull in torch.distributed.
 """
 
-from ..formats.errors import CheckpointError
-from ..formats.ours.generations import resolve
+from ..formats.errors import CheckpointError, CheckpointSaveError
+from ..formats.ours.checkpoint_listing import resolve
 from ..layout.checksums import ChecksumError
-from ..formats.errors import CheckpointSaveError
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "ChecksumError", "load_checkpoint", "resolve",
            "save_checkpoint", "save_checkpoint_async"]

@@ -2,8 +2,9 @@
 folder, keeping the N newest and, always, the one ``latest`` names.
 
 Newest means the highest saved step, then the latest commit (the manifest's modification
-time), then the name. Only committed generations of ours count (``<gen>.partial``,
-``<gen>.superseded-<k>``, other files and folders are never touched).
+time), then the name. Only committed generations of ours count
+(``formats/ours/checkpoint_listing.py``: ``<gen>.partial``, ``<gen>.superseded-<k>``, other
+files and folders are never touched).
 
 A removal is crash-safe in two moves: rename ``<gen>`` to ``<gen>.deleting`` (atomic: from
 then on it is never loaded under any name), fsync the folder, then delete the tree. A kill
@@ -18,14 +19,12 @@ from __future__ import annotations
 import logging
 import os
 
-from ..formats.errors import CheckpointError
-from ..formats.latest import read_latest
-from ..io import syscalls
-from ..layout.generations import DELETING, PARTIAL, SUPERSEDED
-from ..layout.manifest import CHECKPOINT_FORMAT
-from ..layout.metadata import fsync_dir
-from ..formats.ours.tensor_table import read_manifest_attrs
 from ..errors import InputError
+from ..formats.errors import CheckpointError
+from ..formats.ours.checkpoint_listing import list_committed_generations
+from ..io import syscalls
+from ..layout.checkpoint_names import deleting_path, is_being_deleted, read_latest
+from ..layout.metadata import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,32 +39,10 @@ def check_keep_last(keep_last) -> int | None:
     return keep_last
 
 
-def committed_generations(ckpt_dir: str) -> list[tuple[int, int, str]]:
-    """``[(step, commit time in ns, name)]`` of the committed generations in ``ckpt_dir``,
-    oldest first. A folder whose manifest cannot be read is not counted (and never removed)."""
-    out = []
-    for entry in os.scandir(ckpt_dir):
-        name = entry.name
-        if (not entry.is_dir(follow_symlinks=False) or name.endswith(PARTIAL)
-                or name.endswith(DELETING) or SUPERSEDED in name):
-            continue
-        try:
-            attrs = read_manifest_attrs(entry.path)
-            mtime = os.stat(os.path.join(entry.path, "zarr.json")).st_mtime_ns
-        except (CheckpointError, OSError, ValueError):
-            continue
-        step = attrs.get("step")
-        if attrs.get("format") != CHECKPOINT_FORMAT or attrs.get("committed") is not True \
-                or type(step) is not int:
-            continue
-        out.append((step, mtime, name))
-    return sorted(out)
-
-
 def sweep_deleting(ckpt_dir: str) -> None:
     """Finish removals a crash interrupted (``<gen>.deleting`` folders)."""
     for entry in os.scandir(ckpt_dir):
-        if entry.name.endswith(DELETING) and entry.is_dir(follow_symlinks=False):
+        if is_being_deleted(entry.name) and entry.is_dir(follow_symlinks=False):
             syscalls.rmtree(entry.path)
 
 
@@ -76,7 +53,7 @@ def apply_retention(ckpt_dir: str, keep_last: int, just_committed: str) -> list[
     removed = []
     try:
         sweep_deleting(ckpt_dir)
-        gens = committed_generations(ckpt_dir)
+        gens = list_committed_generations(ckpt_dir)
         keep = {name for _, _, name in gens[-keep_last:]} | {just_committed}
         for _, _, name in gens:
             if name in keep:
@@ -85,7 +62,7 @@ def apply_retention(ckpt_dir: str, keep_last: int, just_committed: str) -> list[
             if current == name:
                 continue
             path = os.path.join(ckpt_dir, name)
-            doomed = path + DELETING
+            doomed = deleting_path(path)
             if os.path.lexists(doomed):
                 syscalls.rmtree(doomed)
             syscalls.rename(path, doomed)  # from here on it is never loaded

@@ -12,7 +12,7 @@ Each rank writes its own arrays ``rank{r}/<key>`` (rank_writer.py) and its shard
 attributes of group ``rank{r}``; when its bytes are fsynced it reports to rank 0 by a
 file, and rank 0 writes the tensor table (global shapes, dtypes, optimizer kinds, step,
 crc32c of every chunk: docs/format.md, "Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
-``latest`` (commit.py). The background threads make no collective calls.
+``latest`` (checkpoint_dir.py). The background threads make no collective calls.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import dtypes
 from ..layout import create_group
-from ..layout.generations import PARTIAL
+from ..layout.checkpoint_names import generation_dir_name, staging_path
 from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, box_shard_entry,
                                rank_group, shard_entry, tensor_entry, tensor_rows,
                                write_shard_table)
@@ -35,8 +35,8 @@ from ..optim.state_access import (adam_step, has_state, local_param, saved_parts
                                   state_arrays, state_dtype, state_offsets)
 from . import training_state
 from .buffers import snapshot_buffers
-from .commit import commit, report_done, report_failed, wait_for_commit, wait_for_ranks
-from .generations import prepare_staging
+from .checkpoint_dir import (commit, prepare_staging, report_done, report_failed, wait_for_commit,
+                             wait_for_ranks)
 from .model_tensors import frozen_parameters, frozen_rows, local_rows, row_block, tied_aliases
 from .pending import PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
@@ -44,7 +44,6 @@ from .retention import apply_retention, check_keep_last
 from ..formats.errors import CheckpointSaveError
 from .shared_dir import check_shared, write_marker
 from .supported import check_optimizer
-from .tags import generation_dir
 from ..store.geometry import elems_per_bucket
 from ..units import MiB
 
@@ -109,9 +108,9 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     finish_previous(opt)
     t0 = time.perf_counter()
     rank, world, coll = _collective()
-    name = generation_dir(step, tag)
+    name = generation_dir_name(step, tag)
     final = os.path.join(ckpt_dir, name)
-    staging = final + PARTIAL
+    staging = staging_path(final)
     problem = token = None
     if rank == 0:
         problem = prepare_staging(ckpt_dir, final, staging, step)

@@ -22,10 +22,9 @@ from __future__ import annotations
 import os
 import re
 
-from ..layout.generations import PARTIAL, is_generation_name
+from ..layout.checkpoint_names import LATEST, is_generation_name, is_torn, read_latest
 from .deepspeed.files import is_optim_file
 from .errors import CheckpointError, FormatError
-from .latest import LATEST, read_latest
 from .ours.tensor_table import FORMATS, gc_paused, read_manifest_attrs
 
 
@@ -76,7 +75,7 @@ def store_root_ranks(path: str) -> list[tuple[int, str]]:
 
 
 def _not_torn(name: str, where: str) -> None:
-    if name.endswith(PARTIAL):
+    if is_torn(name):
         raise FormatError(f"{where}: {name!r} is a torn (uncommitted) generation")
 
 
@@ -164,7 +163,7 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
         raise FormatError(f"{os.path.join(path, 'zarr.json')}: a zarr group whose attributes "
                            f"are not an offload-engine manifest (format {fmt!r})")
     if os.path.isfile(os.path.join(path, LATEST)):
-        name = read_latest(path)
+        name = read_latest(path, FormatError)
         _not_torn(name, os.path.join(path, LATEST))
         target = os.path.join(path, name)
         if not os.path.isdir(target):
@@ -176,7 +175,7 @@ def _detect(path: str, generation: str | None, seen: dict) -> tuple[str, str, st
     # generations or tag folders without 'latest': say which, before any safetensors beside
     # them (DeepSpeed's folder may hold a consolidated copy) is taken for the input
     tags = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))
-                  and not d.endswith(PARTIAL)
+                  and not is_torn(d)
                   and (_is_ds_tag(os.path.join(path, d)) or _says_checkpoint(os.path.join(path, d))))
     if tags:
         raise FormatError(f"{os.path.join(path, 'latest')}: no 'latest' file; pass --tag "

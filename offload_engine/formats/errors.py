@@ -3,7 +3,8 @@
 ``FormatError`` and ``CheckpointError`` are ``InputError``s (so ``ValueError``s) whose
 message names the file (or directory) and says what is wrong; the command line prints them
 as one line and exits 2. ``CheckpointSaveError`` is the checkpoint family's I/O member: a
-``CheckpointError`` that is also the ``OSError`` it wraps. They live here, below
+``CheckpointError`` that is also the ``OSError`` it wraps; ``CheckpointExistsError`` (a
+step or tag that is already committed) is also a ``PathExistsError``. They live here, below
 checkpoint/, because the readers in this layer raise them too.
 
 A chunk file that does not match its recorded crc32c is ``layout.checksums.ChecksumError``,
@@ -12,7 +13,7 @@ whoever reads it; an I/O failure is ``io.FileIOError`` (errno, path, offset, len
 
 from __future__ import annotations
 
-from ..errors import InputError
+from ..errors import InputError, PathExistsError
 from ..io.errors import WrappedIOError
 
 
@@ -38,3 +39,9 @@ class CheckpointSaveError(WrappedIOError, CheckpointError):
         super().__init__(f"saving checkpoint {generation} on rank {rank}", cause)
         self.generation = generation
         self.rank = rank
+
+
+class CheckpointExistsError(CheckpointError, PathExistsError):
+    """Saving a generation whose name is already committed and named by ``latest`` (or
+    whether it is cannot be told): refused, nothing is replaced. Both a ``ValueError`` and
+    a ``FileExistsError``, as each family's callers catch it."""

@@ -21,12 +21,11 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
-from ..checkpoint.commit import report_done, report_failed
-from ..checkpoint.generations import prepare_staging
+from ..checkpoint.checkpoint_dir import prepare_staging, report_done, report_failed
 from ..checkpoint.rank_writer import RankWriter
 from ..checkpoint.save import CHUNK_BYTES, COMMIT_TIMEOUT_S, array_name, commit_generation
 from ..layout import create_group
-from ..layout.generations import PARTIAL, generation_name
+from ..layout.checkpoint_names import generation_name, staging_path
 from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, fsdp_rows, rank_group,
                                shard_entry, tensor_entry, tensor_rows, write_shard_table)
 from ..units import MiB
@@ -126,7 +125,7 @@ def write_generation(out_dir: str, step: int, world: int, plans: list[TensorPlan
     rank. A failure leaves no ``.partial`` folder behind and nothing committed."""
     name = generation_name(step)
     final = os.path.join(out_dir, name)
-    staging = final + PARTIAL
+    staging = staging_path(final)
     problem = prepare_staging(out_dir, final, staging, step)
     if problem is not None:
         raise problem

@@ -1,4 +1,4 @@
-"""A crash between the commit rename and the update of ``latest`` (checkpoint/commit.py)
+"""A crash between the commit rename and the update of ``latest`` (checkpoint/checkpoint_dir.py)
 leaves generation N committed while ``latest`` still names N-1. The documented resume
 (load latest, train, save the next step) used to fail with ``FileExistsError ... step N is
 already committed``. Now the save keeps the orphan's bytes as ``<name>.superseded-<k>``
@@ -37,7 +37,7 @@ def tree_digest(path: str) -> dict[str, str]:
 CRASHING_RUN = textwrap.dedent("""
     import os
     from helpers.forged import fresh_model, train
-    from offload_engine.checkpoint import commit, save_checkpoint
+    from offload_engine.checkpoint import checkpoint_dir, save_checkpoint
     tmp = {tmp!r}
     model, opt = fresh_model(os.path.join(tmp, "run1"))
     train(model, opt, range(0, 3))
@@ -45,7 +45,7 @@ CRASHING_RUN = textwrap.dedent("""
     train(model, opt, range(3, 4))
     def crash(ckpt_dir, name):  # the process dies after the rename, before latest
         os._exit(17)
-    commit.write_latest = crash
+    checkpoint_dir.write_latest = crash
     save_checkpoint(os.path.join(tmp, "ck"), model, opt, 4)
     print("not reached")
 """)

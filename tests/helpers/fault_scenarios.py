@@ -311,7 +311,7 @@ class OptimizerScenario:
     def save(self) -> None:
         """Save generation 2; run again after an error, unless the error came after its
         commit (the rename) and only ``latest`` was not replaced: the generation is
-        committed then, and saving it again is refused (checkpoint/commit.py)."""
+        committed then, and saving it again is refused (checkpoint/checkpoint_dir.py)."""
         from offload_engine.checkpoint import save_checkpoint
         if os.path.isdir(os.path.join(self.ck, "step-00000002")):
             return

@@ -200,8 +200,8 @@ def test_a_fault_at_the_last_call_of_every_site(tmp_path):
 MULTI_RANK_CASES = [
     (1, dict(kind="write", site="io.file_io._loop@ck:chunk", errno=errno.ENOSPC)),
     (1, dict(kind="rename", site="layout.metadata.replacing@ck:.done.json", errno=errno.EIO)),
-    (0, dict(kind="rename", site="checkpoint.commit.commit@ck:dir", errno=errno.ENOSPC)),
-    (0, dict(kind="mkdir", site="checkpoint.generations.prepare_staging@ck:dir",
+    (0, dict(kind="rename", site="checkpoint.checkpoint_dir.commit@ck:dir", errno=errno.ENOSPC)),
+    (0, dict(kind="mkdir", site="checkpoint.checkpoint_dir.prepare_staging@ck:dir",
              errno=errno.EIO)),
     # rank 1's disk stays full: not even its failure report can be written in full
     (1, dict(kind="write", errno=errno.ENOSPC, times=None)),

@@ -72,7 +72,7 @@ def test_an_earlier_version_holding_its_lock_file_keeps_the_store(tmp_path):
 
 
 def test_latest_is_never_written_through_a_planted_temporary_link(tmp_path):
-    from offload_engine.checkpoint.generations import write_latest
+    from offload_engine.checkpoint.checkpoint_dir import write_latest
     victim = _victim(tmp_path)
     ck = tmp_path / "ck"
     ck.mkdir()

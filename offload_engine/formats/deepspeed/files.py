@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import FormatError
-from ..latest import LATEST, read_latest
+from ...layout.checkpoint_names import LATEST, read_latest
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 

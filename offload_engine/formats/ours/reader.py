@@ -38,7 +38,7 @@ from ...layout.metadata_crc import file_crc32c
 from ...units import MiB
 from ..errors import CheckpointError
 from ..source import KIND_LABELS, Progress, SourceInfo, TensorMeta, TensorSource, Visit
-from .generations import locate
+from .checkpoint_listing import find_generation
 from .shard_tables import ShardTables
 from .tensor_table import gc_paused, parse_manifest, read_manifest_attrs
 from .windows import ChunkedArray, RangeReader, WindowStream
@@ -138,7 +138,7 @@ class OursSource(TensorSource):
         """The generation ``tag`` of the checkpoint directory ``ckpt_dir`` (default: the
         one ``latest`` names), or ``ckpt_dir`` itself when it is a generation; a torn
         (``.partial``) generation is refused, whatever its manifest says."""
-        gen = locate(ckpt_dir, tag)
+        gen = find_generation(ckpt_dir, tag)
         return cls(gen, "checkpoint", generation=os.path.basename(os.path.normpath(gen)),
                    **options)
 
