@@ -375,7 +375,13 @@ def test_adamw_run_resumes_bitwise(tmp_path, run, world):
     with open(os.path.join(ckpt, f"deviation-w{world}.json")) as f:
         deviation = json.load(f)["max_abs_vs_deepspeed"]
     print(f"{run} W={world}: max |ZeroMuon - DeepSpeed| after 2 steps = {deviation:.3g}")
-    assert deviation == 0.0
+    # ZeroMuon equals torch.optim.AdamW run here bit for bit (asserted in the ranks). The
+    # DeepSpeed masters were recorded when the fixture was made, by torch.optim.AdamW on that
+    # machine's CPU, and torch's vectorised AdamW kernels round differently across CPUs
+    # (bitwise equal on the Intel machine that made the fixture; 3.0e-8 apart on an AMD EPYC,
+    # 2026-12-03). So against the recording the promise is rounding, not bits: 2**-20, where
+    # a wrong step count, learning rate or weight decay moves the masters by ~1e-3.
+    assert deviation <= 2.0 ** -20
 
 
 def _resume_muon(rank, world, mesh, ckpt, run):
