@@ -11,7 +11,7 @@ __all__ = ["BucketIOError", "Handle", "LockFileError", "StoreConfig", "StoreLock
 
 # name -> the module that defines it, imported when the name is first asked for
 _LAZY = {
-    "Handle": "tiered_store",
+    "Handle": "bucket",
     "TieredStore": "tiered_store",
     "StoreLockedError": "lock",
     "LockFileError": "lock",

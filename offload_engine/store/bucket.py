@@ -1,4 +1,5 @@
-"""A bucket: a contiguous element range of one flat array, the unit of residency."""
+"""A bucket: a contiguous element range of one flat array, the unit of residency; and the
+handle that lends a range of one to a user."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ WRITING = "writing"    # write-back to disk in flight; bytes still valid in the 
 
 @dataclass(eq=False)
 class Bucket:
-    array: Any            # the _Array it belongs to
+    array: Any            # the StoreArray it belongs to (store/registry.py)
     index: int
     start: int            # first element
     stop: int             # one past the last element
@@ -42,3 +43,17 @@ class Bucket:
 
     def host_view(self, dtype: torch.dtype) -> torch.Tensor:
         return self.buf.view(dtype, self.stop - self.start)
+
+
+@dataclass(eq=False)
+class Handle:
+    """A bucket range lent to a user: ``tensor`` is valid until ``store.release(handle)``."""
+
+    array: str
+    start: int            # first element (array coordinates)
+    stop: int
+    device: torch.device
+    tensor: torch.Tensor | None   # None for a keep() handle: it lends residency, no bytes
+    _bucket: Bucket
+    _released: bool = False
+    keep: bool = False

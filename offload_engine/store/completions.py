@@ -17,6 +17,8 @@ import queue
 import threading
 from typing import Callable
 
+from ..io import IOFuture
+
 log = logging.getLogger(__name__)
 
 _STOP = None
@@ -65,3 +67,20 @@ def _run(q: queue.SimpleQueue, name: str) -> None:
         except BaseException:  # the thread must outlive a failing handler: waiters rely on it
             log.exception("%s: a posted call failed", name)
         del fn, args  # hold nothing of the owner while idle
+
+
+def started(start_io, *args) -> IOFuture:
+    """``start_io(*args)``'s future; an error raised at the call comes back through the
+    future too, so whoever waits on it always hears how the I/O ended."""
+    try:
+        return start_io(*args)
+    except Exception as e:
+        return failed(e)
+
+
+def failed(error: BaseException) -> IOFuture:
+    """A future that ended with ``error``."""
+    fut = IOFuture()
+    fut.set_running_or_notify_cancel()
+    fut.set_exception(error)
+    return fut

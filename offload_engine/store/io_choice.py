@@ -1,13 +1,18 @@
 """The store's I/O settings per direction: the config's fields where set, else the device
-profile's choice (io/device_profile.py), else the built-in default; and where each came from.
+profile's choice (io/device_profile.py), else the built-in default; where each came from;
+and, while the store runs, the adaptive controllers' changes (``IOSettings``).
 """
 
 from __future__ import annotations
+
+import logging
 
 from ..io import device_profile
 from ..io.adaptive import AdaptiveIO, candidates_from
 from ..io.settings import DEFAULT, DIRECTIONS, FIELDS, DirectionSettings
 from .config import StoreConfig
+
+log = logging.getLogger(__name__)
 
 # bytes a direction moves between two decisions of the adaptive controller: enough that
 # one slow request does not count as a slower device
@@ -61,3 +66,48 @@ def resolve(cfg: StoreConfig, directory: str | None) -> dict:
 
 def describe_change(op: str, old: DirectionSettings, new: DirectionSettings, why: str) -> str:
     return f"adaptive I/O: {op} {old.describe()} -> {new.describe()} ({why})"
+
+
+class IOSettings:
+    """The I/O settings a store uses now, per direction, where each came from, and the
+    adaptive controllers (io/adaptive.py) that change them between steps.
+
+    Args:
+        io: the store's AsyncFileIO, whose settings this changes.
+        report: ``resolve(...)["report"]``; kept up to date.
+        controllers: ``resolve(...)["controllers"]``: {op: AdaptiveIO}.
+    """
+
+    def __init__(self, io, report: dict, controllers: dict):
+        self._io = io
+        self._report = report
+        self._controllers = controllers
+        self._seen = {"read": (0, 0.0), "write": (0, 0.0)}  # bytes moved, busy seconds
+
+    def adapt(self) -> None:
+        """Feed each direction's controller what moved since the last call (bytes, busy
+        seconds) and apply the settings it steps to. The store calls it once per step."""
+        st = self._io.stats
+        for op, ctl in self._controllers.items():
+            moved = st.bytes_read if op == "read" else st.bytes_written
+            busy = st.read_busy_s if op == "read" else st.write_busy_s
+            last_moved, last_busy = self._seen[op]
+            self._seen[op] = (moved, busy)
+            new = ctl.feed(moved - last_moved, busy - last_busy)
+            if new is not None:
+                log.info("%s", describe_change(op, *ctl.changes[-1]))
+                self.set(op, new)
+
+    def set(self, op: str, settings: DirectionSettings) -> None:
+        """Use ``settings`` for ``op`` ("read" or "write") from now on."""
+        self._io.set_settings(op, settings)
+        self._report[op] = {**settings.as_dict(), "sources": {k: settings.source for k in FIELDS}}
+
+    def report(self) -> dict:
+        """The I/O settings in force per direction and where they came from: {"read":
+        {"mode", "queue_depth", "block_bytes", "streams", "source", "sources"}, "write": ...,
+        "threads", "profile": {"source", "file", "measured_at"}, "adaptive": directions
+        watched, "changes": how many times the adaptive controller stepped}."""
+        out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._report.items()}
+        out["changes"] = sum(len(c.changes) for c in self._controllers.values())
+        return out

@@ -6,19 +6,59 @@ If a user acquires a bucket that has not been copied yet, the acquire copies it 
 the copy always holds the bytes as they were when ``snapshot`` was called: the next
 optimizer step can run while a checkpoint is written, and no extra memory beyond the
 pinned pool is used.
+
+The store lends a snapshot what it needs as a ``SnapshotBuckets`` (its lock, and calls to
+hold a bucket in memory, to read its bytes and to let it go); the thread, the order of the
+copies and the hand-over of each bucket to the sink are here.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from ..errors import OperationTimeoutError
+from ..errors import OperationTimeoutError, UsageError
 
 # sink(array_name, bucket_index, start_element, tensor): write the bucket's bytes somewhere
 Sink = Callable[[str, int, int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class SnapshotBuckets:
+    """What a snapshot needs from its store (TieredStore makes one per snapshot)."""
+
+    cv: threading.Condition  # the store lock: a snapshot's claims are made under it
+    # (store lock held) keep the bucket in memory and held, reading it if needed; on failure
+    # undo the hold and raise
+    hold: Callable
+    # (no lock) the bucket's bytes as they are now, for the sink
+    bytes_of: Callable
+    # (takes the store lock) the copy of the bucket ended, users may change it again;
+    # ``held=True``: also end the hold of ``hold``
+    let_go: Callable
+
+
+def check_can_start(current: "Snapshot | None", held: list) -> None:
+    """Refuse (UsageError) a new snapshot while ``current`` is still being taken, or while
+    buckets are lent out (``held``: their keys, sorted): it is taken between steps."""
+    if current is not None and not current.finished.is_set():
+        raise UsageError("a snapshot of this store is still being taken")
+    if held:
+        raise UsageError(f"snapshot while buckets are held ({held[:3]}...): take it "
+                         "between steps, when every handle is released")
+
+
+def claim_order(scheduled: list, wanted: list) -> list:
+    """The order to copy the ``wanted`` buckets (every bucket of the arrays, array by
+    array): first in the order of ``scheduled`` (the next step's), so that step rarely finds
+    one still to copy (a copy on the training thread), then the rest as listed."""
+    want = set(wanted)
+    order = [b for b in scheduled if b in want]
+    taken = set(order)
+    return order + [b for b in wanted if b not in taken]
 
 
 class Snapshot:
@@ -36,8 +76,9 @@ class Snapshot:
     itself: each side copies, neither waits for the other.
     """
 
-    def __init__(self, buckets: list, sink: Sink):
+    def __init__(self, buckets: list, sink: Sink, store: SnapshotBuckets):
         self.sink = sink
+        self.store = store
         # in schedule order, claimed ones dropped from the front as met; store lock guards both
         self.pending = collections.deque(buckets)
         self.pending_set = set(buckets)
@@ -59,6 +100,18 @@ class Snapshot:
         self.pending_set.discard(bucket)
         return True
 
+    def before_use(self, bucket, cv: threading.Condition) -> bool:
+        """(Store lock held, in an acquire that holds ``bucket``.) Wait while the thread
+        copies ``bucket`` (the user caught up with it); then claim it if it is still to be
+        copied: True means the caller copies it first (``copy(bucket, inline=True)``)."""
+        while bucket.saving:
+            self.caught_up = True
+            cv.wait()
+        if not self.take(bucket):
+            return False
+        bucket.saving = True
+        return True
+
     def next_bucket(self):
         """The next unclaimed bucket for the background thread (caller holds the store lock):
         in order, preferring ones already in memory (no read); from the back once a user
@@ -77,7 +130,26 @@ class Snapshot:
         self.pending_set.discard(chosen)
         return chosen
 
-    def copy(self, bucket, tensor: torch.Tensor, inline: bool) -> None:
+    def start(self) -> None:
+        """Copy the buckets on a background thread, ``oe-snapshot``."""
+        threading.Thread(target=self._work, name="oe-snapshot", daemon=True).start()
+
+    def copy(self, bucket, inline: bool) -> None:
+        """Hand ``bucket``'s bytes to the sink (it is claimed and marked saving). An inline
+        copy runs in the acquire that holds it; the thread's copy holds it itself and lets
+        it go here."""
+        try:
+            try:
+                tensor = self.store.bytes_of(bucket)
+            except BaseException as e:  # the claimed bucket must settle, or wait() never ends
+                self.fail(e)
+                self.settle(1)
+            else:
+                self._to_sink(bucket, tensor, inline)
+        finally:
+            self.store.let_go(bucket, held=not inline)
+
+    def _to_sink(self, bucket, tensor: torch.Tensor, inline: bool) -> None:
         try:
             self.sink(bucket.array.name, bucket.index, bucket.start, tensor)
         except BaseException as e:  # recorded; wait() raises it
@@ -88,6 +160,31 @@ class Snapshot:
                 self.copied += 1
                 self.copied_inline += int(inline)
             self.settle(1)
+
+    def _work(self) -> None:
+        cv = self.store.cv
+        try:
+            while True:
+                with cv:
+                    b = self.next_bucket()
+                    if b is None:
+                        break
+                    b.saving = True  # users wait before changing it (acquire)
+                    try:
+                        self.store.hold(b)
+                    except BaseException as e:  # the finally below abandons the rest
+                        b.saving = False
+                        self.fail(e)
+                        self.settle(1)  # the bucket it had claimed
+                        cv.notify_all()
+                        break
+                self.copy(b, inline=False)
+        except BaseException as e:  # never leave wait() hanging
+            self.fail(e)
+        finally:
+            with cv:
+                if self.error is not None:
+                    self.abandon_unclaimed()
 
     def fail(self, error: BaseException) -> None:
         """Record the first error; no bucket is claimed after it."""
