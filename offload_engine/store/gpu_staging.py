@@ -14,7 +14,8 @@ each one a method below:
   store's copy waiter thread (``write_when_copied``), a CPU user of the bucket in
   ``before_host_use``, a snapshot in ``bytes_now``.
 - the extent of an unstaged bucket is freed at once: every later copy into it runs on the
-  same side stream, after the copy-out.
+  same side stream, after the copy-out; a gpu-home bucket placed in it (``place``) makes
+  the compute stream wait for the side stream first.
 
 Events come from a small pool and go back to it once waited on, so a step records no new
 events. The device operations (streams, events, copies, the arena) come from a ``device``
@@ -160,11 +161,14 @@ class GpuStaging:
 
     # -- buckets ---------------------------------------------------------------------------
     def place(self, b) -> None:
-        """Give gpu-home bucket ``b`` its extent, zeroed (its first and only fill)."""
+        """Give gpu-home bucket ``b`` its extent, zeroed (its first and only fill). The
+        extent may have been a staged bucket's whose copy-out is still on the side stream:
+        the compute stream, which zeroes it and runs its users, waits for that first."""
         off = self.alloc(b.nbytes)
         if off is None:
             raise UsageError(f"gpu tier full: cannot hold {b.array.name} bucket {b.index}")
         b.gpu_offset = off
+        self.device.current_stream().wait_stream(self.stream)
         self.view(off, b.nbytes, torch.uint8).zero_()
 
     def home_view(self, b) -> torch.Tensor:
