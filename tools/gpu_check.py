@@ -14,6 +14,13 @@ Sections, each independent (a failure is recorded with its error and the next on
   waiting for the store (``StepStats.store_io_wait_s``).
 - ``gpu_tier``: the store's GPU tier: an array homed on the GPU, acquired on CUDA, hits
   and the bytes it moved over PCIe (none).
+- ``gpu_staging``: every CUDA path of the store's GPU tier (store/gpu_staging.py): NVMe
+  buckets staged on the GPU through a pool and an arena too small for them (side-stream
+  copies both ways, extents reused, write-backs waiting for their copy-outs on the copy
+  waiter thread, clean buckets dropped after their copy-ins), a CPU user after a CUDA one,
+  a gpu-home bucket placed where a copy-out is pending, a snapshot taken while copy-outs
+  are on their way; the bytes are checked in memory and, reopened without a GPU, on disk;
+  the events made (reused: at most 16) and the pool's pinning.
 - ``dcp_memory``: ``dcp.save`` / ``dcp.load`` (torchtitan's flattened flow) of a CUDA model's
   ZeroMuon state, 32 times its largest parameter's: the growth of the host's peak RSS
   (tests/helpers/dcp_memory.py in its own process), which must stay a small part of the state.
@@ -39,6 +46,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -204,6 +212,79 @@ def check_gpu_tier(tmp: str) -> dict:
     return {"value_after_two_passes": value, "correct": value == 2.0, "stats": stats}
 
 
+def _thread_names() -> set[str]:
+    return {t.name for t in threading.enumerate()}
+
+
+def check_gpu_staging(tmp: str, buckets: int) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA"}
+    bucket = MiB
+    n = bucket // 4
+    path = os.path.join(tmp, "staging")
+    cfg = {"nvme_paths": [path], "bucket_bytes": bucket, "cpu_budget": 6 * bucket,
+           "gpu_budget": 4 * bucket, "prefetch_depth": 2}
+    failures, snapped = [], {}
+
+    def expect(what: str, got, want) -> None:
+        if got != want:
+            failures.append(f"{what}: {got} != {want}")
+
+    def cuda_step(store, dirty: bool) -> None:
+        order = store.begin_step() or [("m", i) for i in range(buckets)]
+        for key in order:
+            h = store.acquire(*key, device="cuda")
+            if dirty:
+                h.tensor.add_(1)       # a kernel on the compute stream, after the copy-in
+            store.release(h, dirty=dirty)
+
+    def host_values(store, name: str, count: int) -> list[float]:
+        out = []
+        for i in range(count):
+            h = store.acquire(name, i)
+            out.append(float(h.tensor[0]) if bool((h.tensor == h.tensor[0]).all()) else -1.0)
+            store.release(h)
+        return out
+
+    with TieredStore(cfg) as store:
+        store.register("m", torch.float32, buckets * n)
+        store.register("c", torch.float32, n, home="cpu")
+        store.register("g", torch.float32, n, home="gpu")
+        for _ in range(3):
+            cuda_step(store, dirty=True)
+        cuda_step(store, dirty=False)  # clean: dropped once their copy-ins have read them
+        h = store.acquire("c", 0, device="cuda")
+        h.tensor.fill_(7)
+        store.release(h, dirty=True)
+        expect("cpu user after a cuda user", host_values(store, "c", 1), [7.0])
+        cuda_step(store, dirty=True)   # copy-outs still on their way ...
+        h = store.acquire("g", 0, device="cuda")  # ... when g is placed
+        zeros = int(h.tensor.count_nonzero()) == 0
+        h.tensor.fill_(9)
+        store.release(h, dirty=True)
+        expect("gpu-home bucket zeroed", zeros, True)
+        cuda_step(store, dirty=True)   # and while a snapshot starts
+        snap = store.snapshot(lambda name, i, start, t: snapped.__setitem__(
+            (name, i), float(t[0].item())), arrays=["m", "g"])
+        snap.wait(120)
+        expect("snapshot of m", [snapped[("m", i)] for i in range(buckets)], [5.0] * buckets)
+        expect("snapshot of g", snapped[("g", 0)], 9.0)
+        store.flush()
+        expect("m in memory", host_values(store, "m", buckets), [5.0] * buckets)
+        expect("copy waiter running", "oe-copy-wait" in _thread_names(), True)
+        stats = store.stats().as_dict()
+        events = store.gpu.events.created
+        pinned = bool(store.pool.pinned)
+    expect("copy waiter ended", "oe-copy-wait" in _thread_names(), False)
+    with TieredStore({**cfg, "gpu_budget": 0}) as store:
+        store.register("m", torch.float32, buckets * n)
+        expect("m on disk", host_values(store, "m", buckets), [5.0] * buckets)
+    if events > 16:
+        failures.append(f"{events} CUDA events made: they are not reused")
+    return {"buckets": buckets, "correct": not failures, "failures": failures,
+            "events_created": events, "pool_pinned": pinned, "stats": stats}
+
+
 def check_dcp_memory(tmp: str) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA (tests/optim/test_zero_muon_dcp.py measures the CPU case)"}
@@ -231,6 +312,7 @@ def sections(device: str, tmp: str, size: str) -> dict:
         "copies": (check_copies, copy_bytes),
         "step": (check_step, device, tmp, layers, dim, steps),
         "gpu_tier": (check_gpu_tier, tmp),
+        "gpu_staging": (check_gpu_staging, tmp, 6 if size == "smoke" else 16),
         "dcp_memory": (check_dcp_memory, tmp),
     }
 
