@@ -96,7 +96,8 @@ class StepRunner:
             elif do is Do.PACK:
                 self.pack(op.bundle, op.row, op.slot, ctx)
             elif do is Do.SEND:
-                ctx.sent[op.bundle.index] = res.exchange.forward(op.slot, res.plans[op.bundle.index])
+                ctx.sent[op.bundle.index] = res.exchange.forward(op.slot,
+                                                                 res.plans[op.bundle.index])
             elif do is Do.ORTHOGONALIZE:
                 self._wait(ctx, ctx.sent.pop(op.bundle.index))
                 self.orthogonalize(op.bundle, op.slot, ctx)

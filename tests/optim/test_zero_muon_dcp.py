@@ -164,7 +164,7 @@ def test_optimizer_state_is_a_view_of_the_store(tmp_path):
     entry = opt.state[params["bias"]]
     assert sorted(entry) == ["exp_avg", "exp_avg_sq", "step"] and float(entry["step"]) == 1
     assert isinstance(entry["exp_avg"], StoreTensor)
-    assert torch.equal(entry["exp_avg"], opt.state_dict()["state"][opt._info_of[id(params["bias"])].index]["exp_avg"])
+    assert torch.equal(entry["exp_avg"], opt.state_dict()["state"][opt.optimizer_state.info_of(params["bias"]).index]["exp_avg"])
     opt.close()
 
 

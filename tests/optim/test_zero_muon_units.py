@@ -202,11 +202,12 @@ def test_layout_packs_state_without_gaps_and_covers_every_element(mixed):
 
 
 @pytest.mark.parametrize("master", [False, True])
-def test_step_store_calls_are_the_ones_the_planner_replays(master):
-    """The acquire/release sequence of real steps (both walking directions) is
-    ``step_events``' (what plan/step_sim replays), shared buckets stay acquired from first to
-    last use, and the store's schedule is each direction's order of first use."""
-    from offload_engine.optim.step_events import step_events
+def test_a_step_runs_the_schedule_the_planner_replays(master):
+    """A real step (both walking directions, some parameters without a gradient) makes
+    exactly the store calls of ``step_schedule`` (what plan/step_sim replays), writes back
+    clean the buckets of rows without a gradient, and the store's schedule is each
+    direction's order of first use."""
+    from offload_engine.optim.step_schedule import store_calls
     model, ref = make_pair(MIXED_SHAPES, None)
     if master:
         model.to(torch.bfloat16)
@@ -215,7 +216,7 @@ def test_step_store_calls_are_the_ones_the_planner_replays(master):
                   adamw={"amsgrad": True}) as opt:
         lay = opt.layout
         assert any(n > 1 for n in lay.uses().values()), "the case should share a bucket"
-        calls = []
+        calls, cleans = [], []
         acquire, release = opt.store.acquire, opt.store.release
 
         def rec_acquire(name, rng, device="cpu"):
@@ -225,6 +226,7 @@ def test_step_store_calls_are_the_ones_the_planner_replays(master):
 
         def rec_release(h, dirty=False):
             calls.append(("release", (h.array, h._bucket.index)))
+            cleans.append(not dirty)
             release(h, dirty)
 
         orders = []
@@ -236,14 +238,28 @@ def test_step_store_calls_are_the_ones_the_planner_replays(master):
 
         opt.store.acquire, opt.store.release = rec_acquire, rec_release
         opt.store.begin_step = rec_begin_step
-        for step in range(2):
+        for step in range(4):
             set_grads(model, ref, step, 0, 1)
+            # step 2: no Muon gradient (its rows go back clean); step 3: every other AdamW one
+            adamw = sorted(i.index for i in opt.infos if i.kind == "adamw")
+            idle = ({i.index for i in opt.infos if i.kind == "muon"} if step == 2
+                    else set(adamw[::2]) if step == 3 else set())
+            for i in opt.infos:
+                if i.index in idle:
+                    i.param.grad = None
+            active = {i.index for i in opt.infos} - idle
             calls.clear()
+            cleans.clear()
             opt.step()
-            assert calls == step_events(lay, reverse=step == 1), step
-            assert orders[-1] == opt._orders[step == 1]  # the store's order for this step
-            first = list(dict.fromkeys(k for kind, k in calls if kind == "acquire"))
-            assert first == lay.step_order(step == 1)
+            reverse = step % 2 == 1
+            assert calls == store_calls(lay, reverse, active), step
+            assert orders[-1] == opt._orders[reverse]  # the store's order for this step
+            if not idle:
+                first = list(dict.fromkeys(k for kind, k in calls if kind == "acquire"))
+                assert first == lay.step_order(reverse)
+                assert not any(cleans)
+            elif step == 2:
+                assert any(cleans), "rows without a gradient go back clean"
 
 
 @pytest.mark.parametrize("world", [1, 8])
@@ -389,32 +405,3 @@ def test_master_weights_equal_an_fp32_run_rounded(tmp_path):
                                                  (i.name for i in opt.infos))):
                 assert torch.equal(sd["state"][info.index]["master_param"], q.detach()), n
                 assert torch.equal(info.param.detach(), q.detach().bfloat16()), n
-
-
-def test_pipeline_keeps_exchanges_in_flight_while_other_bundles_compute():
-    """Bundle k's all_to_all is outstanding while bundle k+1 is packed, and AdamW bundles run
-    while Muon exchanges are outstanding."""
-    shapes = {f"w{i}": (32, 32) for i in range(6)}
-    shapes.update({f"b{i}": (300,) for i in range(3)})
-    model, ref = make_pair(shapes, None)
-    with ZeroMuon(model.named_parameters(), store={"default_home": "cpu", "bucket_bytes": 4096,
-                                                   "cpu_budget": 64 * 4096}) as opt:
-        log = []
-        r = opt._runner
-        for stage in ("pack", "orthogonalize", "apply", "adamw_bundle"):
-            real = getattr(r, stage)
-
-            def wrapped(bundle, *a, _real=real, _stage=stage):
-                log.append((_stage, bundle.index))
-                return _real(bundle, *a)
-            setattr(r, stage, wrapped)
-        set_grads(model, ref, 0, 0, 1)
-        opt.step()
-        muon = [c.index for c in opt.layout.bundles if c.kind == "muon"]
-        assert len(muon) >= 3 and any(c.kind == "adamw" for c in opt.layout.bundles)
-        pos = {e: i for i, e in enumerate(log)}
-        for k, k1 in zip(muon, muon[1:]):
-            assert pos[("pack", k1)] < pos[("orthogonalize", k)] < pos[("apply", k)]
-        adamw_at = [i for i, (s, _) in enumerate(log) if s == "adamw_bundle"]
-        first_pack, last_apply = pos[("pack", muon[0])], pos[("apply", muon[-1])]
-        assert any(first_pack < i < last_apply for i in adamw_at)   # AdamW fills exchange time

@@ -1,4 +1,5 @@
-"""tools/check_layers.py: the package keeps its layer order, and the checker would say if not."""
+"""tools/check_layers.py: the package keeps its layer order and has no import cycle, and the
+checker would say if not."""
 
 import importlib.util
 import os
@@ -39,6 +40,7 @@ def make_package(root, files):
     return pkg
 
 
+@pytest.mark.multiprocess
 def test_the_package_keeps_its_layer_order():
     done = run_tool()
     assert done.returncode == 0, done.stdout + done.stderr
@@ -54,6 +56,7 @@ def test_the_checker_sees_the_packages_real_imports(monkeypatch):
     assert any(line.startswith("offload_engine/store/") and "imports io" in line for line in bad)
 
 
+@pytest.mark.multiprocess
 def test_a_clean_package_passes(tmp_path):
     pkg = make_package(tmp_path, {
         "io/a.py": "import os\nfrom pkg.units import x\nfrom .. import units\nfrom . import b\n",
@@ -83,6 +86,7 @@ def test_a_clean_package_passes(tmp_path):
     ({"helpers.py": ""}, "pkg/helpers.py: helpers is not in the layer order"),
 ], ids=["upward", "lazy-upward", "relative-upward", "relative-root-name", "base-imports-layer",
         "init-imports-layer", "unknown-package", "unknown-module"])
+@pytest.mark.multiprocess
 def test_a_violation_is_reported_with_file_and_line(tmp_path, files, expected):
     done = run_tool(str(make_package(tmp_path, files)))
     assert done.returncode == 1, done.stdout + done.stderr
@@ -91,6 +95,34 @@ def test_a_violation_is_reported_with_file_and_line(tmp_path, files, expected):
     assert len(lines) == 2  # the violation and the summary: nothing else was flagged
 
 
+def test_the_package_has_no_import_cycle():
+    tool = load_tool()
+    assert [line for line in tool.check(os.path.join(ROOT, "offload_engine"))
+            if "import cycle" in line] == []
+
+
+@pytest.mark.parametrize("files, members", [
+    ({"io/a.py": "from . import b\n", "io/b.py": "def f():\n    from .a import g\n"},
+     ["pkg.io.a", "pkg.io.b"]),
+    ({"io/a.py": "import pkg.io.b\n", "io/b.py": "from pkg.io.c import x\n",
+      "io/c.py": "from .a import y\n", "io/d.py": "from . import a\n"},
+     ["pkg.io.a", "pkg.io.b", "pkg.io.c"]),
+    ({"io/__init__.py": "from .a import x\n", "io/a.py": "from pkg.io import y\n"},
+     ["pkg.io", "pkg.io.a"]),
+], ids=["lazy-pair", "three", "through-init"])
+def test_an_import_cycle_is_reported_once_with_its_modules(tmp_path, capsys, files, members):
+    rc = load_tool().main([str(make_package(tmp_path, files))])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    lines = out.splitlines()
+    cycles = [line for line in lines if "import cycle of" in line]
+    assert len(cycles) == 1 and len(lines) == 2, lines  # the cycle and the summary
+    assert f"import cycle of {len(members)} modules: {', '.join(members)} (" in cycles[0]
+    for m in members:  # each import that closes it, with its file and line
+        assert f"imports {m}" in cycles[0]
+
+
+@pytest.mark.multiprocess
 def test_a_missing_folder_is_an_error_not_a_pass(tmp_path):
     done = run_tool(str(tmp_path / "absent"))
     assert done.returncode == 2
