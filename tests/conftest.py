@@ -6,6 +6,10 @@ import tempfile
 
 import pytest
 
+# markers checked while each test runs: a test that starts a process must be marked
+# multiprocess, one that moves more than 1 GiB must be marked slow (tests/helpers/marker_guard.py)
+pytest_plugins = ["helpers.marker_guard"]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # No test probes the disk by accident, and no developer's cached device profile changes what

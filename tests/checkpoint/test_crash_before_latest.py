@@ -51,6 +51,7 @@ CRASHING_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_resume_after_a_crash_before_latest(tmp_path, caplog):
     tmp = str(tmp_path)
     p = subprocess.run([sys.executable, "-c", CRASHING_RUN.format(tmp=tmp)],

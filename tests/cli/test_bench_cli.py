@@ -66,6 +66,7 @@ def _check_result(doc: dict, *, size: int, runs: int, baseline: str) -> None:
                                                                           "default")
 
 
+@pytest.mark.multiprocess
 def test_json_has_every_key_and_positive_numbers(disk_dir, capsys):
     rc, out, err = _bench(capsys, "--path", disk_dir, "--size", "8MiB", "--runs", 1, "--json")
     assert rc == 0, err
@@ -95,6 +96,7 @@ def test_without_fio_auto_falls_back_and_explicit_fio_fails_cleanly(disk_dir, ca
     assert len(err.strip().splitlines()) == 1 and "fio is not installed" in err
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not HAVE_FIO, reason="fio is not installed")
 def test_fio_baseline_when_installed(disk_dir, capsys):
     rc, out, err = _bench(capsys, "--path", disk_dir, "--size", "2MiB", "--block-size", "1MiB",
@@ -103,6 +105,7 @@ def test_fio_baseline_when_installed(disk_dir, capsys):
     _check_result(json.loads(out), size=2 << 20, runs=1, baseline="fio")
 
 
+@pytest.mark.multiprocess
 def test_table_mentions_every_method_and_ratio(disk_dir, capsys):
     rc, out, err = _bench(capsys, "--path", disk_dir, "--size", "4MiB", "--runs", 1)
     assert rc == 0, err
@@ -146,6 +149,7 @@ def test_bad_sizes_exit_2_with_one_line(disk_dir, capsys, args):
     assert len(err.strip().splitlines()) == 1 and "multiple" in err
 
 
+@pytest.mark.multiprocess
 def test_keep_leaves_the_engine_array_readable_by_zarr(disk_dir, capsys):
     zarr = pytest.importorskip("zarr")
     rc, out, err = _bench(capsys, "--path", disk_dir, "--size", "1MiB", "--runs", 1, "--json",
@@ -156,6 +160,7 @@ def test_keep_leaves_the_engine_array_readable_by_zarr(disk_dir, capsys):
     assert arr.shape == ((1 << 20) // 4,) and str(arr.dtype) == "float32"
 
 
+@pytest.mark.multiprocess
 def test_tools_script_prints_json(disk_dir):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_io.py"),
                            "--path", str(disk_dir), "--size", "1MiB", "--runs", "1"],

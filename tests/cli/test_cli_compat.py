@@ -81,6 +81,7 @@ def test_export_json(tmp_path, capsys):
     assert report["shape"] == [13, 16] and report["bytes"] == os.path.getsize(out)
 
 
+@pytest.mark.multiprocess
 def test_version_loads_no_command():
     code = ("import sys\nfrom offload_engine.cli.main import main\n"
             "try:\n    main(['--version'])\nexcept SystemExit as e:\n    rc = e.code\n"
@@ -90,6 +91,7 @@ def test_version_loads_no_command():
     assert proc.stdout.splitlines() == [f"offload-engine {__version__}", "0 False False"]
 
 
+@pytest.mark.multiprocess
 def test_closed_pipe_exits_quietly(tmp_path):
     """`offload-engine inspect BIG | head -1`: the listing is larger than the pipe's buffer,
     so writes hit a closed pipe; the command stops without a message."""

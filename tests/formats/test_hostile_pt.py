@@ -56,6 +56,7 @@ HARMLESS = ["memo_long_binput", "memo_text_put", "binbytes8_length", "bytearray8
 SLOW = {"empty_sets", "set_of_memo_list"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
                                   for n in REFUSED + HARMLESS])
 def test_hostile_file_is_bounded(tmp_path, name):

@@ -22,6 +22,8 @@ from helpers.synthetic import reseal, write_checkpoint
 from helpers.inspect_fixtures import make_live_store, model_tensors
 from helpers.paths import ROOT
 
+pytestmark = pytest.mark.multiprocess  # every test runs the CLI in a child with limits
+
 GEN = "step-00000007"
 
 

@@ -316,6 +316,7 @@ def _choose_source(path, queue, env):
     queue.put(dp.choose(path)["source"])
 
 
+@pytest.mark.multiprocess
 def test_a_process_that_finds_a_probe_under_way_waits_and_reads_its_result(small_probe,
                                                                            tmp_path):
     """Ranks of one machine open their stores at the same moment: one probes (under the

@@ -216,6 +216,7 @@ def test_preallocated_file_reads_zeros(fio, tmp_path):
     assert int(out.max()) == 0
 
 
+@pytest.mark.multiprocess
 def test_read_only_directory_gives_clear_error(tmp_path):
     """Run as an unprivileged user (root ignores directory permissions)."""
     ro = tmp_path / "ro"

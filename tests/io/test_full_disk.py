@@ -187,6 +187,7 @@ def _can_mount_tmpfs(where: str) -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.multiprocess
 def test_a_real_full_tmpfs_during_step_and_save(tmp_path):
     """Defect 1 as reported: the store and the checkpoints on a 20 MiB tmpfs, filled
     during a step and during a save, then freed (tests/helpers/tmpfs_scenario.py says what it

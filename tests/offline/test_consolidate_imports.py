@@ -39,6 +39,7 @@ def consolidate_in_fresh_process(out, dtype, fixtures) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.multiprocess
 def test_fp32_consolidation_imports_neither_torch_nor_zarr(tmp_path):
     fixtures = [os.path.join(FIXTURES, f) for f in ALL]  # fp32 and bf16 runs (bf16 frozen weights)
     seen = consolidate_in_fresh_process(tmp_path, "fp32", fixtures)
@@ -50,6 +51,7 @@ def test_fp32_consolidation_imports_neither_torch_nor_zarr(tmp_path):
         assert_matches_expected(tmp_path / str(i), os.path.join(fixture, "expected_zero_to_fp32.safetensors"))
 
 
+@pytest.mark.multiprocess
 def test_bf16_output_imports_torch_for_the_cast(tmp_path):
     fixture = os.path.join(FIXTURES, "zero3_w3_fp32")
     seen = consolidate_in_fresh_process(tmp_path, "bf16", [fixture])
@@ -107,6 +109,7 @@ print(before, pool.pinned == __import__("torch").cuda.is_available())
 """
 
 
+@pytest.mark.multiprocess
 def test_buffer_pool_imports_torch_only_for_torch_views():
     proc = subprocess.run([sys.executable, "-c", POOL_WITHOUT_TORCH], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -160,6 +160,7 @@ def test_a_failed_import_leaves_nothing_behind(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.multiprocess
 def test_muon_run_keeps_deepspeeds_choice_and_reports_disagreements(tmp_path):
     """DeepSpeed's Muon records use_muon per group: the import keeps it (head.weight is
     Muon there, AdamW under our default rule) and reports that parameter, in --json too."""
@@ -214,6 +215,7 @@ def _one_line_error(done, *needles):
         assert n in lines[0], lines[0]
 
 
+@pytest.mark.multiprocess
 def test_truncated_rank_file_is_refused_naming_it(tmp_path):
     ck = _copy("zero3_w2_fp32_adamw", tmp_path / "ds")
     path = os.path.join(ck, "global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -224,6 +226,7 @@ def test_truncated_rank_file_is_refused_naming_it(tmp_path):
     assert not os.path.exists(tmp_path / "out" / "latest")
 
 
+@pytest.mark.multiprocess
 def test_nvme_offloaded_state_is_refused_naming_the_folder(tmp_path):
     """DeepSpeed 0.19.8 with offload_optimizer on NVMe copies its swap files to
     <tag>/offloaded_tensors/rank<r> at save time; the import says so instead of failing
@@ -258,6 +261,7 @@ def test_zero2_muon_momentum_of_another_size_is_refused_naming_the_file(tmp_path
     assert not os.path.exists(tmp_path / "out" / "latest")
 
 
+@pytest.mark.multiprocess
 def test_missing_rank_file_and_bad_options_are_refused(tmp_path):
     ck = _copy("zero2_w2_bf16_adamw", tmp_path / "ds")
     gone = os.path.join(ck, "global_step2", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -273,6 +277,7 @@ def test_missing_rank_file_and_bad_options_are_refused(tmp_path):
                             "--model-config", str(cfg)), str(cfg))
 
 
+@pytest.mark.multiprocess
 def test_a_committed_generation_is_never_replaced(tmp_path):
     good = os.path.join(FIXTURES, "zero3_w2_fp32_adamw")
     assert run_cli("import", "deepspeed", good, str(tmp_path), "--world-size", "2").returncode == 0

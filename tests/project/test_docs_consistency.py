@@ -122,6 +122,7 @@ def usage_blocks():
 
 # The blocks are argparse's rendering on Python 3.11 and 3.12; from 3.13 an option with
 # aliases shows its metavar once ("--generation, --tag G"), so the text differs by Python.
+@pytest.mark.multiprocess
 @pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)),
                     reason="the docs show the help as argparse of Python 3.11/3.12 prints it")
 @pytest.mark.parametrize("path, block, words", [
@@ -134,6 +135,7 @@ def test_usage_block_is_the_real_help(path, block, words):
         f"{' '.join(words + ('--help',))}` prints; paste its output")
 
 
+@pytest.mark.multiprocess
 def test_every_command_has_its_help_in_the_docs():
     documented = {words for _, _, words in usage_blocks()}
     missing = sorted(command_tree() - documented)
@@ -171,6 +173,7 @@ def invocations(doc: Doc):
             yield block.line + 1 + i, words, text
 
 
+@pytest.mark.multiprocess
 def test_documented_command_lines_use_real_options():
     bad = []
     top = set(OPTION.findall(cli_help(())))

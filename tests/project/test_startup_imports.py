@@ -17,6 +17,8 @@ from helpers.synthetic import write_checkpoint
 from helpers.inspect_fixtures import FIXTURES
 from helpers.paths import ROOT
 
+pytestmark = pytest.mark.multiprocess  # every test runs a fresh interpreter
+
 HEAVY = ("torch", "ml_dtypes", "zarr")
 
 RUN = """

@@ -223,6 +223,7 @@ def _second_writer(path, q):
         q.put(str(e))
 
 
+@pytest.mark.multiprocess
 def test_second_writer_is_refused_and_readers_are_not(tmp_path):
     with make_store(tmp_path) as s:
         s.register("m", torch.float32, 4 * B // 4)

@@ -200,6 +200,7 @@ def test_the_candidate_heap_stays_small_while_buckets_are_re_offered():
     assert len(p._candidates._heap) <= 2 * len(keys) + 64
 
 
+@pytest.mark.multiprocess
 def test_the_policy_and_the_store_config_import_nothing_heavy():
     """The planner imports both; torch alone takes seconds to import."""
     code = ("import sys; import offload_engine.store.policy, offload_engine.store.geometry; "
