@@ -28,6 +28,7 @@ import os
 import re
 
 from ..errors import InputError
+from ..io import syscalls
 from .metadata import ZARR_JSON
 
 PARTIAL = ".partial"
@@ -135,8 +136,7 @@ def read_latest(root: str, error: type[Exception]) -> str:
     the terminal as is."""
     pointer = os.path.join(root, LATEST)
     try:
-        with open(pointer, "rb") as f:
-            raw = f.read(MAX_LATEST_BYTES + 1)
+        raw = syscalls.read_all(pointer, limit=MAX_LATEST_BYTES)
     except FileNotFoundError:
         raise error(f"{pointer}: missing; no checkpoint was committed in {root} (or pass "
                     f"a tag)") from None
