@@ -49,6 +49,9 @@ needs_deepspeed = pytest.mark.skipif(
     "deepspeed_python() is None",
     reason=f"deepspeed is not importable here; set {DEEPSPEED_PYTHON_ENV} to an interpreter "
            "that has it (deepspeed 0.19.8, docs/optimizer.md) to run the DeepSpeed paths")
+# DeepSpeed's processes read about 1 GiB (libraries, built ops) and bench_step's writes its
+# swap files: over the suite's limit for tests not marked slow (tests/helpers/marker_guard.py)
+deepspeed_case = [needs_deepspeed, pytest.mark.slow]
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None,
                                reason="fio is not installed (apt-get install fio): the tool "
                                       "measures the disk with it")
@@ -275,18 +278,18 @@ CASES = {
     "bench_checkpoint.py": (smoke_bench_checkpoint, [needs_fio]),
     "bench_consolidate.py": (smoke_bench_consolidate, [needs_fio, needs_time]),
     "bench_consolidate.py[deepspeed]": (smoke_bench_consolidate_deepspeed,
-                                        [needs_fio, needs_time, needs_deepspeed]),
+                                        [needs_fio, needs_time, *deepspeed_case]),
     "bench_import.py": (smoke_bench_import, [needs_fio, needs_time]),
     "bench_inspect.py": (smoke_bench_inspect, [needs_fio]),
     "bench_io.py": (smoke_bench_io, []),
     "bench_startup.py": (smoke_bench_startup, []),
     "bench_step.py": (smoke_bench_step, [needs_fio]),
-    "bench_step.py[deepspeed]": (smoke_bench_step_deepspeed, [needs_fio, needs_deepspeed]),
+    "bench_step.py[deepspeed]": (smoke_bench_step_deepspeed, [needs_fio, *deepspeed_case]),
     "bench_store.py": (smoke_bench_store, [needs_fio]),
     "check_layers.py": (smoke_check_layers, []),
     "gpu_check.py": (smoke_gpu_check_py, []),
     "gpu_check.sh": (smoke_gpu_check_sh, []),
-    "make_ds_checkpoint.py[deepspeed]": (smoke_make_ds_checkpoint, [needs_deepspeed]),
+    "make_ds_checkpoint.py[deepspeed]": (smoke_make_ds_checkpoint, deepspeed_case),
 }
 
 
