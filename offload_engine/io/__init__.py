@@ -5,7 +5,8 @@ from .buffer_pool import BufferPool, PooledBuffer
 from .direct_probe import probe_direct
 from .errors import (FileIOError, PoolError, PoolExhaustedError, RequestTooLargeError,
                      TruncatedFileError)
-from .file_io import AsyncFileIO, IOFuture, IOStats
+from .file_io import AsyncFileIO
+from .requests import IOFuture, IOStats
 
 __all__ = [
     "ALIGN", "AsyncFileIO", "BufferPool", "FileIOError", "IOFuture", "IOStats", "PoolError",

@@ -29,18 +29,17 @@ write invalidates them, and buffered writes are written out before they complete
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import errno
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 from ..units import MiB
 from .align import ALIGN, address_of, as_byte_view, is_aligned
 from . import syscalls
 from .errors import FileIOError, TruncatedFileError
+from .requests import IOFuture, IOStats, Request
 from .settings import DIRECTIONS, DirectionSettings
 from ..errors import InputError, UsageError
 
@@ -48,83 +47,6 @@ log = logging.getLogger(__name__)
 
 # Linux moves at most this many bytes in one read/write call (MAX_RW_COUNT).
 _LINUX_MAX_RW = 0x7FFFF000
-
-
-class IOFuture(concurrent.futures.Future):
-    """A ``concurrent.futures.Future`` that can also be awaited from asyncio.
-
-    Its result is the number of bytes moved.
-    """
-
-    def __await__(self):
-        import asyncio  # here: 20 ms of start-up that only asyncio users should pay
-        return asyncio.wrap_future(self).__await__()
-
-    @classmethod
-    def gather(cls, futures: list[concurrent.futures.Future]) -> "IOFuture":
-        """One future for many: completes when all do; result is the summed byte count;
-        the first error (in list order) is raised."""
-        out = cls()
-        out.set_running_or_notify_cancel()
-        if not futures:
-            out.set_result(0)
-            return out
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def done(_):
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            for f in futures:
-                if f.exception() is not None:
-                    out.set_exception(f.exception())
-                    return
-            out.set_result(sum(f.result() for f in futures))
-
-        for f in futures:
-            f.add_done_callback(done)
-        return out
-
-    @classmethod
-    def completed(cls, nbytes: int = 0) -> "IOFuture":
-        """A future already done with result ``nbytes``."""
-        out = cls()
-        out.set_running_or_notify_cancel()
-        out.set_result(nbytes)
-        return out
-
-
-@dataclass
-class IOStats:
-    """Counters since creation or the last ``reset`` (bytes and request counts)."""
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    reads: int = 0
-    writes: int = 0
-    direct_pieces: int = 0
-    buffered_pieces: int = 0
-    syncs: int = 0
-    # seconds during which at least one read (write) request was in flight: bytes over busy
-    # seconds is the throughput achieved, whatever the gaps between requests
-    read_busy_s: float = 0.0
-    write_busy_s: float = 0.0
-
-
-@dataclass
-class _Request:
-    op: str  # "read" | "write"
-    path: str
-    offset: int
-    view: memoryview
-    future: IOFuture
-    sync: bool
-    pending: int = 0
-    error: BaseException | None = None
-    keepalive: object = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _OpenFile:
@@ -332,7 +254,7 @@ class AsyncFileIO:
         fut = IOFuture()
         fut.set_running_or_notify_cancel()
         nbytes = len(view)
-        req = _Request(op, path, offset, view, fut, sync, keepalive=keepalive)
+        req = Request(op, path, offset, view, fut, sync, keepalive=keepalive)
         if nbytes == 0 and not sync:
             fut.set_result(0)
             return fut
@@ -461,7 +383,7 @@ class AsyncFileIO:
             if entry is not None:
                 self._release_file(entry)
 
-    def _do_piece(self, req: _Request, start: int, length: int) -> None:
+    def _do_piece(self, req: Request, start: int, length: int) -> None:
         try:
             if req.error is None and length:
                 self._transfer(req, start, length)
@@ -486,7 +408,7 @@ class AsyncFileIO:
         else:
             req.future.set_result(len(req.view))
 
-    def _sync_path(self, req: _Request) -> None:
+    def _sync_path(self, req: Request) -> None:
         entry = self._acquire_file(req.path, writable=True)
         try:
             syscalls.fdatasync(self._fd(entry, direct=False), req.path)
@@ -497,7 +419,7 @@ class AsyncFileIO:
         finally:
             self._release_file(entry)
 
-    def _transfer(self, req: _Request, start: int, length: int) -> None:
+    def _transfer(self, req: Request, start: int, length: int) -> None:
         piece = req.view[start:start + length]
         offset = req.offset + start
         writable = req.op == "write"
@@ -519,7 +441,7 @@ class AsyncFileIO:
         finally:
             self._release_file(entry)
 
-    def _buffered(self, req: _Request, entry: _OpenFile, piece: memoryview, offset: int) -> None:
+    def _buffered(self, req: Request, entry: _OpenFile, piece: memoryview, offset: int) -> None:
         """One piece through the page cache without leaving it there: a read is announced
         (WILLNEED: the kernel reads the whole range ahead at once) and dropped after; a
         write is written out (sync_file_range) and dropped, so dirty pages never pile up."""
@@ -536,7 +458,7 @@ class AsyncFileIO:
                 raise FileIOError(e.errno, "write", req.path, offset, length) from e
         syscalls.fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
-    def _loop(self, req: _Request, entry: _OpenFile, piece: memoryview, offset: int, direct: bool) -> None:
+    def _loop(self, req: Request, entry: _OpenFile, piece: memoryview, offset: int, direct: bool) -> None:
         """Move every byte of ``piece``; short transfers continue where they stopped."""
         fd = self._fd(entry, direct)
         done, total = 0, len(piece)
