@@ -15,7 +15,7 @@ Where each family lives (each layer defines its own, on top of these):
   ``WrappedIOError`` (the one wrapper that adds who was reading or writing), pool errors;
 - ``layout/``: ``ChecksumError``, ``MetadataError``; ``store/errors.py``: ``BucketIOError``;
 - ``formats/errors.py``: ``FormatError`` and the checkpoint family (``CheckpointError``,
-  ``CheckpointSaveError``).
+  ``CheckpointSaveError``, ``CheckpointExistsError``).
 """
 
 from __future__ import annotations
