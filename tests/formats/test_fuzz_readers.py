@@ -24,6 +24,7 @@ def _limit():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("target", sorted(EXAMPLES))
 def test_fuzz_target(target):
     env = child_env(dict(os.environ, MALLOC_ARENA_MAX="2"))

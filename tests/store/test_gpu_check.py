@@ -15,6 +15,7 @@ from helpers.paths import ROOT
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the script's own job")
 def test_gpu_check_runs_its_cpu_half(tmp_path):
     done = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"),
