@@ -12,6 +12,7 @@ without ``close()`` can be collected (its finalizer should call ``stop``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -69,13 +70,36 @@ def _run(q: queue.SimpleQueue, name: str) -> None:
         del fn, args  # hold nothing of the owner while idle
 
 
-def started(start_io, *args) -> IOFuture:
-    """``start_io(*args)``'s future; an error raised at the call comes back through the
-    future too, so whoever waits on it always hears how the I/O ended."""
+def started(on_done, start_io, *args) -> None:
+    """Start ``start_io(*args)`` and call ``on_done(future)`` when it ends, however it ends:
+    an error raised at the call comes back through the future too, so whoever tracks the
+    I/O (a bucket's state, the write-backs in flight that ``flush`` and ``close`` wait for)
+    always hears how it ended.
+
+    An interrupt (Ctrl-C's KeyboardInterrupt, SystemExit) raised while the I/O was being
+    started ends it as failed with EINTR, marked so that ``interrupted_start`` knows it (the
+    store starts such a write-back again on its own thread, where no Ctrl-C lands; a read
+    ends as failed and the next acquire reads again), and then goes on to the caller: it
+    must never leave the bookkeeping waiting for an I/O that will not report.
+    """
     try:
-        return start_io(*args)
-    except Exception as e:
-        return failed(e)
+        fut = start_io(*args)
+    except Exception as e:  # noqa: BLE001 - it is the I/O's outcome, reported through the future
+        fut = failed(e)
+    except BaseException as interrupt:
+        stopped = OSError(errno.EINTR, f"interrupted ({type(interrupt).__name__}) while the "
+                                       f"I/O was being started")
+        stopped.__cause__ = interrupt
+        stopped.interrupted_start = True  # see interrupted_start()
+        failed(stopped).add_done_callback(on_done)
+        raise
+    fut.add_done_callback(on_done)
+
+
+def interrupted_start(error: BaseException | None) -> bool:
+    """True for the outcome ``started`` gives an I/O whose start an interrupt cut short:
+    nothing of it failed on the device, so it is retried rather than reported."""
+    return getattr(error, "interrupted_start", False)
 
 
 def failed(error: BaseException) -> IOFuture:

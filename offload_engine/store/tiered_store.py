@@ -31,7 +31,7 @@ import torch
 
 from ..errors import InputError, UsageError
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket, Handle
-from .completions import failed, started
+from .completions import failed, interrupted_start, started
 from .config import StoreConfig
 from .counters import StatsCounter, StoreStats
 from .earlier_run import EarlierRun
@@ -296,8 +296,8 @@ class TieredStore:
             self._cv.notify_all()
             return "started"
         b.state = READING
-        fut = started(arr.flat.read_into, b.start, b.stop, buf)
-        fut.add_done_callback(lambda f, b=b: self._completions.post(self._read_done, b, f))
+        started(lambda f, b=b: self._completions.post(self._read_done, b, f),
+                arr.flat.read_into, b.start, b.stop, buf)
         return "started"
 
     def _read_done(self, b: Bucket, fut) -> None:
@@ -377,14 +377,16 @@ class TieredStore:
 
     def _write(self, b: Bucket) -> None:
         """Start writing ``b``'s buffer home; its outcome reaches ``_write_done`` on oe-store."""
-        fut = started(b.array.flat.write_from, b.start, b.stop, b.buf)
-        fut.add_done_callback(lambda f, b=b: self._completions.post(self._write_done, b, f))
+        started(lambda f, b=b: self._completions.post(self._write_done, b, f),
+                b.array.flat.write_from, b.start, b.stop, b.buf)
 
     def _write_done(self, b: Bucket, fut) -> None:
         """A write-back landed or failed (on the store's thread, oe-store)."""
         with self._lock:
             evict = self._policy.writebacks.finish(b.key) and b.refs == 0
             err = fut.exception()
+            if interrupted_start(err):  # Ctrl-C cut its start short: again, here on oe-store
+                return self._start_write(b, evict)
             if err is not None:
                 err = for_bucket("write-back", b, err)
                 log.error("%s", err)
