@@ -19,6 +19,7 @@ from .. import dtypes
 from ..errors import InputError, UsageError
 from ..layout import FlatArray
 from ..layout.store_group import STORE_KEYS, open_store_group, store_array_entry, write_store_group
+from ..layout.member_paths import name_problem
 from ..layout.striping import stripe_chunks
 from . import geometry
 from .bucket import Bucket
@@ -48,6 +49,12 @@ def check_new_array(name: str, dtype: torch.dtype, numel: int) -> None:
     """Refuse (InputError) a name, size or dtype no store array can have."""
     if not _NAME.match(name):
         raise InputError(f"array name {name!r}: use letters, digits, '_', '.', '-' and '/'")
+    # the rule every reader of the manifest applies (layout/member_paths.py): a name the
+    # readers refuse would be written, then never read or cleaned (`stale_store="discard"`)
+    problem = name_problem(name)
+    if problem is not None:
+        raise InputError(f"array name {name!r} {problem}: array names are paths inside the "
+                         f"store directory")
     if numel < 0:
         raise InputError(f"array {name}: numel must be >= 0, got {numel}")
     dtypes.zarr_dtype(dtypes.dtype(dtype).name)  # raises for a dtype no array can hold
