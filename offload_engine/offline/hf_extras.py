@@ -4,15 +4,23 @@
 The Hugging Face Trainer saves them in the checkpoint folder, next to ``latest`` and the
 tag folders; a user may put them there by hand. They are looked for in SRC and, when SRC is
 a generation or tag folder, in the folder above it.
+
+A checkpoint may come from someone else (docs/untrusted-input.md): a side file that is a
+symlink leading out of its folder (``tokenizer.json -> ~/.ssh/id_rsa``) is not carried, and
+a copied file keeps its source's permission bits, never more (a 0600 file stays 0600).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import shutil
+import stat
 
 from ..layout.metadata import replacing
+
+log = logging.getLogger(__name__)
 
 # fnmatch patterns of the files from_pretrained and AutoTokenizer / AutoProcessor read
 EXTRA_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
@@ -39,11 +47,24 @@ def find_extras(src: str) -> list[str]:
         except OSError:
             continue
         for name in names:
-            path = os.path.join(folder, name)
-            if (name not in found and os.path.isfile(path)
-                    and any(fnmatch.fnmatchcase(name, p) for p in EXTRA_PATTERNS)):
+            if name in found or not any(fnmatch.fnmatchcase(name, p) for p in EXTRA_PATTERNS):
+                continue
+            path = _inside(folder, name)
+            if path is not None and os.path.isfile(path):
                 found[name] = path
     return list(found.values())
+
+
+def _inside(folder: str, name: str) -> str | None:
+    """``folder/name`` with symlinks resolved, or None (logged) when it leads out of
+    ``folder``: a link planted in a checkpoint must not carry a local file into the
+    output."""
+    path = os.path.join(folder, name)
+    real = os.path.realpath(path)
+    if real != path and not real.startswith(os.path.realpath(folder) + os.sep):
+        log.warning("%s is a symlink leading out of its folder (to %s): not copied", path, real)
+        return None
+    return real
 
 
 def copy_extras(paths: list[str], out_dir: str) -> list[str]:
@@ -52,9 +73,14 @@ def copy_extras(paths: list[str], out_dir: str) -> list[str]:
     names = []
     for path in paths:
         name = os.path.basename(path)
-        with replacing(os.path.join(out_dir, name)) as tmp:
-            shutil.copyfile(path, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+        # O_NOFOLLOW: find_extras resolved the path; a link put there since is refused
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as src, \
+                replacing(os.path.join(out_dir, name)) as tmp:
+            mode = stat.S_IMODE(os.fstat(src.fileno()).st_mode)
+            with open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+                dst.flush()
+                os.fchmod(dst.fileno(), mode & os.stat(tmp).st_mode & 0o777)
+                os.fsync(dst.fileno())
         names.append(name)
     return names
