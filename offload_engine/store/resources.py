@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from ..io import AsyncFileIO, BufferPool, FileIOError, syscalls
 from . import io_choice
 from .completions import CompletionQueue
@@ -52,12 +54,14 @@ def open_resources(stack: contextlib.ExitStack, config: StoreConfig, root: str |
         gpu_device: the GPU tier's device operations; default CUDA's, when available.
             No GPU tier without ``gpu_budget``, or without either.
     """
-    locks = []
     for d in stripes:
         try:
             syscalls.makedirs(d, exist_ok=True)
         except OSError as e:
             raise FileIOError(e.errno, "mkdir", d) from e
+    check_distinct_directories(config.nvme_paths, stripes)
+    locks = []
+    for d in stripes:
         lock = WriteLock(d)
         stack.callback(lock.release)
         locks.append(lock)
@@ -75,6 +79,26 @@ def open_resources(stack: contextlib.ExitStack, config: StoreConfig, root: str |
         copy_waiter = _own_thread(stack, owner, "oe-copy-wait")
         gpu = GpuStaging(config.gpu_budget, gpu_device or CudaDevice(), counters, copy_waiter)
     return StoreResources(locks, pool, completions, io, settings, copy_waiter, gpu)
+
+
+def check_distinct_directories(entries: list[str], paths: list[str]) -> None:
+    """Refuse (InputError) two ``nvme_paths`` entries that are one directory: the same
+    device and inode, however written (``a`` and ``a/``, ``a/../a``, a symbolic link to
+    it). Checked before any lock is taken: the second lock of one directory would be
+    refused by the first, reporting this very process as the holder. ``entries`` as the
+    config gives them (for the message), ``paths`` the same made absolute."""
+    seen: dict[tuple[int, int], int] = {}
+    for i, path in enumerate(paths):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise FileIOError(e.errno, "stat", path) from e
+        first = seen.setdefault((st.st_dev, st.st_ino), i)
+        if first != i:
+            raise InputError(
+                f"nvme_paths lists one directory twice: entry {first} ({entries[first]!r}) and "
+                f"entry {i} ({entries[i]!r}) are both {os.path.realpath(path)}; list each "
+                f"directory once (buckets are striped over distinct directories)")
 
 
 def _own_thread(stack: contextlib.ExitStack, owner, name: str) -> CompletionQueue:
