@@ -14,6 +14,7 @@ import sys
 import time
 
 from ..offline.consolidate import OUTPUT_DTYPES, consolidate, verify_output
+from ..offline.hf_experts import EXPERT_MODES, expert_naming, find_config
 from ..offline.hf_extras import copy_extras, find_extras
 from ..offline.hf_shards import parse_size
 from ..offline.state_dict import open_weights
@@ -64,6 +65,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="do not copy config.json, generation_config.json and tokenizer files "
                         "found beside the checkpoint into OUT (copied by default, so "
                         "from_pretrained(OUT) works)")
+    p.add_argument("--experts", choices=EXPERT_MODES, default="auto",
+                   help="grouped expert stacks ([E, ...] under an 'experts' module): "
+                        "'per-expert' writes one tensor per expert under the names Hugging "
+                        "Face checkpoints use (docs/consolidate.md), 'grouped' as stored; "
+                        "'auto' (default) is per-expert when config.json beside the "
+                        "checkpoint names a known MoE model_type, else grouped")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: what was written, bytes, seconds")
     for flag, dest, extra in DEEPSPEED_SPELLINGS:
@@ -81,12 +88,15 @@ def run(args: argparse.Namespace) -> int:
     window = parse_size(args.window_size)
     dtype = args.dtype
     started = time.perf_counter()
+    extras = find_extras(args.src)
     with open_weights(args.src, args.tag) as source:
+        # metadata only: bad expert stacks are refused before anything is written
+        source, experts_note = expert_naming(source, args.experts, find_config(extras))
         progress = ProgressLine() if sys.stderr.isatty() else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
                              window_bytes=window, exclude_frozen=args.exclude_frozen,
                              progress=progress)
-        copied = copy_extras(find_extras(args.src), args.out) if args.copy_config else []
+        copied = copy_extras(extras, args.out) if args.copy_config else []
         written_s = time.perf_counter() - started
         shards = sum(f.endswith(".safetensors") for f in result.files)
         if not args.json:
@@ -94,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
                   f"bytes, {shards} shard(s){' + index' if result.index else ''} to {args.out}"
                   + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
                      if result.aliases else "")
-                  + (f"; copied {', '.join(copied)}" if copied else ""))
+                  + (f"; copied {', '.join(copied)}" if copied else "")
+                  + (f"; {experts_note}" if experts_note else ""))
         problems = None
         if args.verify:
             problems = verify_output(source, args.out, dtype=dtype, chunk_bytes=window,
@@ -104,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
             if not problems and not args.json:
                 print(f"verified: every tensor in {args.out} matches the checkpoint")
         if args.json:
-            print(json.dumps(_summary(source, result, args, written_s, problems,
-                                      time.perf_counter() - started, copied), indent=2))
+            summary = _summary(source, result, args, written_s, problems,
+                               time.perf_counter() - started, copied)
+            print(json.dumps({**summary, "experts": experts_note or None}, indent=2))
     return 1 if problems else 0
 
 
