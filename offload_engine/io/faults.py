@@ -11,7 +11,8 @@ tests) that is one global read and one comparison. A test arms a ``FaultPlan``::
 
 A fault raises the ``OSError`` the real call would raise (errno, strerror, path) instead
 of making the call, so nothing reaches the disk: what a full disk (ENOSPC) or a failing
-device (EIO) does to that one call. Every plan also counts the calls it sees by kind and
+device (EIO) does to that one call. A plan with ``delay_s`` makes its calls slow instead:
+each due call sleeps that long and then runs (a slow or stalled disk). Every plan also counts the calls it sees by kind and
 by site (the engine function that made the call, e.g. ``io.file_io._loop``), so a test
 can list the call sites of a scenario and then aim at each of them.
 
@@ -25,6 +26,7 @@ import errno as _errno
 import os
 import sys
 import threading
+import time
 from ..errors import InputError, UsageError
 
 # what a call does, as FaultPlan.kind names it
@@ -55,6 +57,8 @@ class FaultPlan:
             (a disk that stays full).
         under: only calls on paths under this directory are counted or failed (the test's
             own directory: pytest and torch write files too).
+        delay_s: when > 0, a due call is delayed this many seconds and then made, rather
+            than failed (a slow disk); ``errno`` is not used.
         label: ``label(path) -> str`` names what a path is (say "checkpoint chunk"); the
             site then is ``function@label``, so that one function serving several callers
             (the I/O threads write store buckets and checkpoint chunks alike) counts as
@@ -63,12 +67,13 @@ class FaultPlan:
 
     def __init__(self, *, kind: str | None = None, site: str | None = None, nth: int = 1,
                  errno: int = _errno.ENOSPC, times: int | None = 1, under: str | None = None,
-                 label=None):
+                 label=None, delay_s: float = 0.0):
         if kind is not None and kind not in KINDS:
             raise InputError(f"unknown fault kind {kind!r}; one of {KINDS}")
         self.kind, self.site, self.nth, self.errno, self.times = kind, site, nth, errno, times
         self.under = None if under is None else os.path.join(os.path.abspath(under), "")
         self.label = label
+        self.delay_s = delay_s
         self.calls: collections.Counter = collections.Counter()  # (kind, site) -> calls seen
         self.injected: list[tuple[str, str, str]] = []            # (kind, site, path) failed
         self._matching = 0
@@ -90,7 +95,9 @@ class FaultPlan:
             fail = self.nth > 0 and n >= 0 and (self.times is None or n < self.times)
             if fail:
                 self.injected.append((kind, site, path))
-        if fail:
+        if fail and self.delay_s > 0:
+            time.sleep(self.delay_s)  # a slow disk: the call runs, late
+        elif fail:
             raise OSError(self.errno, os.strerror(self.errno), path)
 
     def sites(self) -> set[tuple[str, str]]:

@@ -6,8 +6,8 @@ Importing the package imports only its configuration schema (pydantic): the plan
 
 from .config import StoreConfig
 
-__all__ = ["BucketIOError", "Handle", "LockFileError", "StoreConfig", "StoreLockedError",
-           "StoreStats", "TieredStore"]
+__all__ = ["BucketIOError", "Handle", "LockFileError", "SlowDiskError", "StoreConfig",
+           "StoreLockedError", "StoreStats", "TieredStore"]
 
 # name -> the module that defines it, imported when the name is first asked for
 _LAZY = {
@@ -16,6 +16,7 @@ _LAZY = {
     "StoreLockedError": "lock",
     "LockFileError": "lock",
     "BucketIOError": "errors",
+    "SlowDiskError": "errors",
     "StoreStats": "counters",
 }
 

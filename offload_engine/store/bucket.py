@@ -36,6 +36,7 @@ class Bucket:
     pinned_home: bool = False  # cpu/gpu home: never evicted
     gpu_users: int = 0
     saving: bool = False   # being copied for a snapshot: users wait before changing it
+    io_since: float = 0.0  # time.monotonic() when its read or write-back started
 
     @property
     def key(self) -> tuple[str, int]:

@@ -58,7 +58,11 @@ class StoreConfig(BaseModel):
     homes: dict[str, Tier] = Field(default_factory=dict, description=(
         "Home tier per array name, or per fnmatch pattern ('rank*/muon_momentum')."))
     acquire_timeout_s: float = Field(60.0, gt=0, description=(
-        "Longest wait for pinned space before acquire() fails with a clear error."))
+        "Longest wait for pinned space held by acquire() without release() (no I/O in "
+        "flight that would free it) before acquire() fails with PoolExhaustedError."))
+    io_timeout_s: float = Field(600.0, gt=0, description=(
+        "Longest wait of one acquire for I/O in flight (its bucket's read, or reads and "
+        "write-backs that free pinned space) before it fails with SlowDiskError."))
 
     @field_validator("bucket_bytes", "block_size")
     @classmethod

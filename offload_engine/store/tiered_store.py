@@ -35,7 +35,8 @@ from .completions import failed, interrupted_start, started
 from .config import StoreConfig
 from .counters import StatsCounter, StoreStats
 from .earlier_run import EarlierRun
-from .errors import for_bucket, pool_exhausted
+from .acquire_wait import AcquireWait, in_flight
+from .errors import for_bucket
 from .policy import Credit, ResidencyPolicy
 from .registry import ArrayRegistry, StoreArray, check_new_array
 from .resources import open_resources
@@ -133,8 +134,8 @@ class TieredStore:
 
         On "cpu" the tensor is a view of the pooled pinned buffer itself (no copy); on a CUDA
         device it is a GPU tensor filled by a side-stream copy the current stream waits for.
-        Blocks while the bucket's read is in flight; raises PoolExhaustedError if no pinned
-        space frees up within ``acquire_timeout_s``.
+        Blocks while I/O it needs is in flight: SlowDiskError after ``io_timeout_s``; and
+        while every buffer is held: PoolExhaustedError after ``acquire_timeout_s``.
         """
         dev = torch.device(device)
         if dev.type == "cuda" and self.gpu is None and not torch.cuda.is_available():
@@ -228,9 +229,9 @@ class TieredStore:
             raise
 
     def _make_resident(self, b: Bucket, demand: bool) -> bool:
-        """Bring ``b`` into its buffer; returns whether the caller had to wait."""
-        deadline = time.monotonic() + self.config.acquire_timeout_s
-        waited = False
+        """Bring ``b`` into its buffer; returns whether the caller had to wait. Waiting on
+        I/O in flight and waiting for pinned space have their own bounds (acquire_wait.py)."""
+        clock = AcquireWait(b, self.config.acquire_timeout_s, self.config.io_timeout_s)
         counted = False
         retried = False
         while True:
@@ -240,7 +241,7 @@ class TieredStore:
             if b.state == RESIDENT:
                 if not counted:
                     self._stats.current.hits += 1
-                return waited
+                return clock.waited
             if b.state == ABSENT:
                 status = self._fill(b, demand)
                 if status == "started":
@@ -261,12 +262,9 @@ class TieredStore:
             elif b.state == READING and not counted:
                 self._stats.current.hits += 1  # prefetched: the read was already on its way
                 counted = True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise pool_exhausted(b, self.config.acquire_timeout_s, self.pool,
-                                     sum(1 for r in self._resident if r.refs))
-            waited = True
-            self._cv.wait(remaining)
+            clock.wait(self._cv, in_flight(self._resident),
+                       sorted((r for r in self._resident if r.refs and r is not b),
+                              key=lambda r: r.key), self.pool)
 
     # -- filling and eviction -----------------------------------------------------------------
     def _fill(self, b: Bucket, demand: bool, credit: Credit | None = None) -> str:
@@ -295,7 +293,7 @@ class TieredStore:
             self._stats.current.zero_fills += 1
             self._cv.notify_all()
             return "started"
-        b.state = READING
+        b.state, b.io_since = READING, time.monotonic()
         started(lambda f, b=b: self._completions.post(self._read_done, b, f),
                 arr.flat.read_into, b.start, b.stop, buf)
         return "started"
@@ -362,7 +360,7 @@ class TieredStore:
             self._stats.current.evictions += 1
 
     def _start_write(self, b: Bucket, evict_after: bool) -> None:
-        b.state = WRITING
+        b.state, b.io_since = WRITING, time.monotonic()
         self._policy.writebacks.start(b.key, b.buf.capacity, evict_after)
         self._policy.withdraw(b.key)
         b.dirty = False
