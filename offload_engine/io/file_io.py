@@ -39,6 +39,7 @@ from ..units import MiB
 from .align import ALIGN, address_of, as_byte_view, is_aligned
 from . import syscalls
 from .errors import FileIOError, TruncatedFileError
+from .fd_cache import DEFAULT_MAX_FILES, DescriptorCache, OpenFile, descriptor_limit
 from .requests import IOFuture, IOStats, Request
 from .settings import DIRECTIONS, DirectionSettings
 from ..errors import InputError, UsageError
@@ -47,17 +48,6 @@ log = logging.getLogger(__name__)
 
 # Linux moves at most this many bytes in one read/write call (MAX_RW_COUNT).
 _LINUX_MAX_RW = 0x7FFFF000
-
-
-class _OpenFile:
-    __slots__ = ("path", "writable", "direct_fd", "buffered_fd", "users")
-
-    def __init__(self, path: str, writable: bool):
-        self.path = path
-        self.writable = writable
-        self.direct_fd: int | None = None
-        self.buffered_fd: int | None = None
-        self.users = 0
 
 
 class AsyncFileIO:
@@ -70,13 +60,15 @@ class AsyncFileIO:
         block_size: bytes per piece; a multiple of 4096 (likewise).
         direct: True forces O_DIRECT (errors where refused), False never uses it,
             None (default) follows each direction's mode.
-        max_open_files: descriptors kept open; the least recently used idle one is closed.
+        max_open_files: files whose descriptors are kept open at most; fewer where the
+            process's descriptor limit asks for it (io/fd_cache.py); the least recently used
+            idle one is closed first.
         read, write: the settings of each direction (mode, queue depth, block size); default:
             "direct" mode (buffered with ``direct=False``) with ``queue_depth`` and ``block_size``.
     """
 
     def __init__(self, threads: int = 8, queue_depth: int = 8, block_size: int = 8 * MiB,
-                 direct: bool | None = None, max_open_files: int = 256,
+                 direct: bool | None = None, max_open_files: int = DEFAULT_MAX_FILES,
                  read: DirectionSettings | None = None, write: DirectionSettings | None = None):
         if threads < 1 or queue_depth < 1:
             raise InputError("threads and queue_depth must be >= 1")
@@ -93,8 +85,7 @@ class AsyncFileIO:
             self._settings = {op: st.with_(mode=mode) for op, st in self._settings.items()}
         self.stats = IOStats()
         self._stats_lock = threading.Lock()
-        self._files: collections.OrderedDict[str, _OpenFile] = collections.OrderedDict()
-        self._files_lock = threading.Lock()
+        self._files = DescriptorCache(max_open_files)
         self._direct_ok: dict[str, bool] = {}  # per directory
         # per direction: requests waiting, the ones being served (at most `streams`, one
         # piece from each in turn), the next one's index, and the pieces in flight (at most
@@ -190,11 +181,7 @@ class AsyncFileIO:
 
     def forget(self, path: str | os.PathLike) -> None:
         """Close cached descriptors of ``path`` (before it is renamed or removed)."""
-        path = os.fspath(path)
-        with self._files_lock:
-            entry = self._files.pop(path, None)
-        if entry is not None:
-            self._close_entry(entry)
+        self._files.forget(os.fspath(path))
 
     def uses_direct(self, path: str | os.PathLike) -> bool | None:
         """Whether O_DIRECT is used in ``path``'s directory (None: not yet probed); False
@@ -217,11 +204,7 @@ class AsyncFileIO:
             self._queue_cv.notify_all()
         for w in self._workers:
             w.join()
-        with self._files_lock:
-            entries = list(self._files.values())
-            self._files.clear()
-        for entry in entries:
-            self._close_entry(entry)
+        self._files.close()
 
     def __enter__(self) -> "AsyncFileIO":
         return self
@@ -441,7 +424,7 @@ class AsyncFileIO:
         finally:
             self._release_file(entry)
 
-    def _buffered(self, req: Request, entry: _OpenFile, piece: memoryview, offset: int) -> None:
+    def _buffered(self, req: Request, entry: OpenFile, piece: memoryview, offset: int) -> None:
         """One piece through the page cache without leaving it there: a read is announced
         (WILLNEED: the kernel reads the whole range ahead at once) and dropped after; a
         write is written out (sync_file_range) and dropped, so dirty pages never pile up."""
@@ -458,7 +441,7 @@ class AsyncFileIO:
                 raise FileIOError(e.errno, "write", req.path, offset, length) from e
         syscalls.fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
-    def _loop(self, req: Request, entry: _OpenFile, piece: memoryview, offset: int, direct: bool) -> None:
+    def _loop(self, req: Request, entry: OpenFile, piece: memoryview, offset: int, direct: bool) -> None:
         """Move every byte of ``piece``; short transfers continue where they stopped."""
         fd = self._fd(entry, direct)
         done, total = 0, len(piece)
@@ -504,47 +487,29 @@ class AsyncFileIO:
                         "posix_fadvise there", d, where)
         self._direct_ok[d] = False
 
-    def _acquire_file(self, path: str, writable: bool) -> _OpenFile:
-        with self._files_lock:
-            entry = self._files.get(path)
-            if entry is not None and writable and not entry.writable:
-                if entry.users == 0:
-                    del self._files[path]
-                    self._close_entry(entry)
-                    entry = None
-                else:
-                    # upgrade in place: a new read-write descriptor pair for later users
-                    del self._files[path]
-                    entry = None
-            if entry is None:
-                entry = _OpenFile(path, writable)
-                self._files[path] = entry
-                self._evict_idle()
-            self._files.move_to_end(path)
-            entry.users += 1
-            return entry
+    def _acquire_file(self, path: str, writable: bool) -> OpenFile:
+        return self._files.acquire(path, writable)
 
-    def _release_file(self, entry: _OpenFile) -> None:
-        with self._files_lock:
-            entry.users -= 1
-            if entry.users == 0 and self._files.get(entry.path) is not entry:
-                self._close_entry(entry)  # replaced while in use
+    def _release_file(self, entry: OpenFile) -> None:
+        self._files.release(entry)
 
-    def _evict_idle(self) -> None:
-        while len(self._files) > self.max_open_files:
-            for path, entry in self._files.items():
-                if entry.users == 0:
-                    del self._files[path]
-                    self._close_entry(entry)
-                    break
-            else:
-                return
+    def _fd(self, entry: OpenFile, direct: bool) -> int:
+        try:
+            fd = self._files.descriptor(entry, "direct_fd" if direct else "buffered_fd",
+                                        lambda: self._open(entry, direct))
+        except FileIOError:
+            raise
+        except OSError as e:  # out of descriptors even with every idle one closed
+            raise FileIOError(e.errno, "open", entry.path, detail=(
+                f"out of file descriptors (RLIMIT_NOFILE {descriptor_limit()}, with every idle "
+                f"cached one closed): raise `ulimit -n`")) from e
+        if direct:
+            self._direct_ok.setdefault(os.path.dirname(os.path.abspath(entry.path)), True)
+        return fd
 
-    def _fd(self, entry: _OpenFile, direct: bool) -> int:
-        attr = "direct_fd" if direct else "buffered_fd"
-        fd = getattr(entry, attr)
-        if fd is not None:
-            return fd
+    def _open(self, entry: OpenFile, direct: bool) -> int:
+        """A new descriptor of ``entry``'s file (O_DIRECT if ``direct``); EMFILE and ENFILE
+        come as the OSError (the cache sheds idle descriptors and tries again)."""
         flags = (os.O_RDWR | os.O_CREAT) if entry.writable else os.O_RDONLY
         flags |= getattr(os, "O_CLOEXEC", 0)
         if direct:
@@ -554,6 +519,8 @@ class AsyncFileIO:
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 raise _DirectRefused() from e
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise
             raise FileIOError(e.errno, "open", entry.path) from e
         if not direct:
             # Every buffered read piece announces its own range (WILLNEED), so the kernel's
@@ -563,25 +530,7 @@ class AsyncFileIO:
             # other pieces have already dropped, and those pages then stay cached. RANDOM
             # turns the heuristic off for this descriptor; WILLNEED is unaffected.
             syscalls.fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        with self._files_lock:
-            if getattr(entry, attr) is None:
-                setattr(entry, attr, fd)
-                if direct:
-                    self._direct_ok.setdefault(os.path.dirname(os.path.abspath(entry.path)), True)
-                return fd
-        os.close(fd)  # another thread opened it first
-        return getattr(entry, attr)
-
-    @staticmethod
-    def _close_entry(entry: _OpenFile) -> None:
-        for attr in ("direct_fd", "buffered_fd"):
-            fd = getattr(entry, attr)
-            if fd is not None:
-                setattr(entry, attr, None)
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        return fd
 
 
 class _DirectRefused(Exception):
