@@ -16,8 +16,9 @@ copy into the page cache, no gigabytes of dirty pages left for the final fsync. 
 come from one ``BufferPool`` of ``depth + 4`` windows (``depth`` queued, one being filled,
 two being written, one staging for casts), so peak memory is independent of the model's
 size and of the tensor sizes. Files are written into a
-temporary folder inside the output folder and renamed into place when all are complete
-and synced, so a failed run never leaves a half-written model behind.
+staging folder inside the output folder, synced, and swapped in by ``publish`` (one
+commit point: a failed or killed run leaves the earlier export or the new one, whole),
+one run at a time per output folder (``OutputLock``).
 
 No torch and no ml_dtypes: windows are raw numpy views of the pool's memory and dtypes are
 ``offload_engine.dtypes`` entries. Torch is imported only for a cast numpy cannot do bit for
@@ -41,10 +42,13 @@ import numpy as np
 from ..dtypes import FLOAT32, DType, dtype as as_dtype
 from ..formats.safetensors import INDEX_FILE
 from ..formats.source import ReadRequest, TensorMeta, TensorSource
-from ..io import ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, probe_direct, round_up
+from ..io import ALIGN, AsyncFileIO, BufferPool, IOFuture, PooledBuffer, probe_direct, round_up, syscalls
+from ..layout.metadata import fsync_dir
 from ..units import MiB
 from .casts import as_torch_view, cast_into
-from .hf_shards import OUTPUT_FILE_PATTERN, SINGLE_FILE, OutTensor, ShardPlan, index_text, plan_files
+from .hf_shards import SINGLE_FILE, OutTensor, ShardPlan, plan_files
+from .out_lock import OutputLock
+from .publish import publish
 from ..errors import InputError
 
 OUTPUT_DTYPES = ("fp32", "bf16", "fp16")  # what float tensors may be written as (dtypes names)
@@ -255,22 +259,18 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
         check([(i.name, i.state) for i in infos.values()])
     total = sum(p.data_bytes for p in plans)
     file_bytes = sum(p.file_size for p in plans)
-    os.makedirs(out_dir, exist_ok=True)
-    _remove_stale_temps(out_dir)
-    tmp = os.path.join(out_dir, f"{_TMP_PREFIX}{os.getpid()}")
-    os.makedirs(tmp)
-    try:
-        paths = [os.path.join(tmp, p.filename) for p in plans]
-        peak = _write_files(source, plans, paths, infos, file_bytes, window_bytes, depth, progress)
-        if index is not None:
-            with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
-                f.write(index_text(index))
-                f.flush()
-                os.fsync(f.fileno())
-        names = [p.filename for p in plans] + ([INDEX_FILE] if index is not None else [])
-        _publish(tmp, out_dir, names)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _make_out_dir(out_dir)
+    with OutputLock(out_dir):
+        _remove_stale_staging(out_dir)
+        staging = os.path.join(out_dir, f"{_TMP_PREFIX}{os.getpid()}")
+        syscalls.makedirs(staging)
+        try:
+            paths = [os.path.join(staging, p.filename) for p in plans]
+            peak = _write_files(source, plans, paths, infos, file_bytes, window_bytes, depth,
+                                progress)
+            names = publish(staging, out_dir, [p.filename for p in plans], index)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return ConsolidateResult(out_dir, names, len(infos), total,
                              written_aliases(source, exclude_frozen), index, peak)
 
@@ -405,39 +405,25 @@ def _finish(entry) -> int:
     return win.nbytes
 
 
-_TMP_PREFIX = ".consolidate-tmp-"
+_TMP_PREFIX = ".consolidate-tmp-"  # the staging folder inside OUT, per process
 
 
-def _remove_stale_temps(out_dir: str) -> None:
-    """Remove temporary folders that runs killed mid-way left (their process is gone)."""
+def _make_out_dir(out_dir: str) -> None:
+    """Create ``out_dir`` if needed, durably: a new folder's entry is fsynced in its parent,
+    so the export published into it cannot vanish with it after a power cut."""
+    if os.path.isdir(out_dir):
+        return
+    syscalls.makedirs(out_dir, exist_ok=True)
+    fsync_dir(os.path.dirname(os.path.abspath(out_dir)))
+
+
+def _remove_stale_staging(out_dir: str) -> None:
+    """Remove staging folders that killed runs left. The caller holds OUT's lock, so no
+    other run is writing into any of them."""
     for name in os.listdir(out_dir):
-        if not name.startswith(_TMP_PREFIX):
-            continue
-        try:
-            pid = int(name[len(_TMP_PREFIX):])
-            if pid != os.getpid():
-                os.kill(pid, 0)
-                continue  # another live run owns it
-        except (ValueError, ProcessLookupError):
-            pass
-        except PermissionError:
-            continue  # alive, someone else's
-        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-
-
-def _publish(tmp: str, out_dir: str, names: list[str]) -> None:
-    """Remove what an earlier export left (stale shards would confuse loaders), then move
-    the new files in."""
-    for old in os.listdir(out_dir):
-        if OUTPUT_FILE_PATTERN.match(old) and os.path.isfile(os.path.join(out_dir, old)):
-            os.remove(os.path.join(out_dir, old))
-    for name in names:
-        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        path = os.path.join(out_dir, name)
+        if name.startswith(_TMP_PREFIX) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # -- verification ---------------------------------------------------------------------------
