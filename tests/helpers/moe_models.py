@@ -53,11 +53,15 @@ def tokens(step: int, batch: int = 2, length: int = 12) -> torch.Tensor:
 
 
 def logits(model, step: int = 99) -> torch.Tensor:
-    """Logits of ``tokens(step)`` in eval mode, no gradient."""
+    """Logits of ``tokens(step)`` in eval mode, no gradient. An FSDP2 model is resharded
+    after: its root keeps its parameters unsharded after a forward (for the backward that
+    would follow), and a checkpoint saved then would see plain tensors, not its shards."""
     model.eval()
     with torch.no_grad():
         out = model(tokens(step)).logits
     model.train()
+    if hasattr(model, "reshard"):
+        model.reshard()
     return out.detach()
 
 
