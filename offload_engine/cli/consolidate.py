@@ -2,7 +2,9 @@
 checkpoint (or safetensors) to Hugging Face (sharded) safetensors.
 
 Exit codes: 0 written (and verified with --verify), 1 --verify found a difference, 2 bad
-input (missing/corrupt/unsafe files, wrong rank count, bad option), printed as one line.
+input (missing/corrupt/unsafe files, wrong rank count, bad option, another run writing into
+OUT), printed as one line; 130 Ctrl-C, 143 SIGTERM (the staging folder removed, OUT holding
+one whole export).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..offline.hf_extras import copy_extras, find_extras
 from ..offline.hf_shards import parse_size
 from ..offline.state_dict import open_weights
 from .progress import ProgressLine
+from .terminate import EXIT_TERMINATED, Terminated, sigterm_raises
 
 # DeepSpeed's zero_to_fp32.py spellings, accepted so its command lines work unchanged;
 # hidden from --help (listed in the description) so each option shows once.
@@ -84,6 +87,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        with sigterm_raises():
+            return _run(args)
+    except Terminated:
+        print(f"offload-engine consolidate: terminated (SIGTERM); {args.out} holds one whole "
+              f"export, the earlier one or this run's", file=sys.stderr)
+        return EXIT_TERMINATED
+
+
+def _run(args: argparse.Namespace) -> int:
     max_shard = parse_size(args.max_shard_size)
     window = parse_size(args.window_size)
     dtype = args.dtype

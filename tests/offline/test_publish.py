@@ -3,8 +3,10 @@ output folder with one complete export, the earlier or the new one, as a transfo
 reader loads it; the next run cleans up after it; one run at a time per output folder."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,7 +38,15 @@ def sources(tmp_path):
             write_source(str(tmp_path / "new.safetensors"), NEW))
 
 
-def _calls(src, out, per_shard, tmp_path):
+def _wait_until_ready(child, ready: str) -> None:
+    """Until ``child`` has created ``ready`` (it then holds OUT for 3 s), at most 30 s."""
+    deadline = time.monotonic() + 30
+    while not os.path.exists(ready) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(ready), child.communicate()
+
+
+def _calls(src, out, per_shard):
     """How many file system calls under ``out`` a run makes (on a copy of ``out``)."""
     plan = StopAt(out)
     faults.arm(plan)
@@ -53,7 +63,7 @@ def test_a_failure_or_crash_at_any_call_leaves_one_whole_export(tmp_path, source
     old_src, new_src = sources
     probe = str(tmp_path / "probe")
     export(old_src, probe, old_shards)
-    total = _calls(new_src, probe, new_shards, tmp_path)
+    total = _calls(new_src, probe, new_shards)
     assert total > 5
     for nth in range(1, total + 1):
         out, snap = str(tmp_path / f"out{nth}"), str(tmp_path / f"crash{nth}")
@@ -133,14 +143,10 @@ def test_two_concurrent_consolidations_one_refused_one_complete(tmp_path, source
     export(old_src, out, 3)
     ready = str(tmp_path / "ready")
     first = subprocess.Popen([sys.executable, script("publish_child.py"), new_src, out, "2",
-                              "hold", ready], env=child_env(), stdout=subprocess.PIPE,
+                              "hold", "rename", ready], env=child_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
-            if os.path.exists(ready) or first.poll() is not None:
-                break
-            subprocess.run(["sleep", "0.05"])
-        assert os.path.exists(ready), first.communicate()
+        _wait_until_ready(first, ready)
         assert main(["consolidate", old_src, out]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"process {first.pid} on " in err[0], err
@@ -175,3 +181,28 @@ def test_sigkill_at_any_call_leaves_one_whole_export(tmp_path, sources, old_shar
         assert same(found, OLD) or same(found, NEW), f"killed at call {nth} of {total}"
         export(new_src, out, new_shards)
         assert ours(out) == _expected_names(new_shards), nth
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("at", ["write", "rename"])
+def test_sigterm_cleans_up_and_exits_143(tmp_path, sources, at):
+    """SIGTERM while the shards are written, or while they are published: exit 143, no
+    staging folder left, OUT holding one whole export."""
+    old_src, new_src = sources
+    out = str(tmp_path / "out")
+    export(old_src, out, 3)
+    ready = str(tmp_path / "ready")
+    child = subprocess.Popen([sys.executable, script("publish_child.py"), new_src, out, "2",
+                              "cli", at, ready], env=child_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_until_ready(child, ready)
+        child.send_signal(signal.SIGTERM)
+    finally:
+        _, err = child.communicate(timeout=120)
+    assert child.returncode == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
+    assert not [n for n in os.listdir(out) if n.startswith(".consolidate-tmp-")]
+    found = read_export(out)
+    assert same(found, OLD) or same(found, NEW)
+    assert ours(out) in (_expected_names(3, count=6), _expected_names(2))
