@@ -21,17 +21,7 @@ from offload_engine.formats.safe_unpickler import (CheckpointFileError, Inert, T
                                                       UnsafePickleError, load_pt)
 from offload_engine.cli.main import main
 
-from helpers.deepspeed_checkpoints import ALL, FIXTURES, Z2, Z3, moment_spans, write_synthetic
-
-
-def copy_fixture(src: str, tmp_path) -> str:
-    dst = os.path.join(tmp_path, os.path.basename(src))
-    shutil.copytree(src, dst)
-    for dirpath, _, files in os.walk(dst):
-        os.chmod(dirpath, 0o755)
-        for f in files:
-            os.chmod(os.path.join(dirpath, f), 0o644)
-    return dst
+from helpers.deepspeed_checkpoints import ALL, FIXTURES, Z2, Z3, copy_fixture, moment_spans, write_synthetic
 
 
 def run_cli(args, capsys):

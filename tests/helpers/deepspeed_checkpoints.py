@@ -3,6 +3,7 @@ checkpoints laid out the way DeepSpeed lays them out, and where an optimizer fil
 moments."""
 
 import os
+import shutil
 
 import torch
 
@@ -11,6 +12,17 @@ from helpers.paths import DEEPSPEED_FIXTURES as FIXTURES
 ALL = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
 Z2 = os.path.join(FIXTURES, "zero2_w3_fp32")
 Z3 = os.path.join(FIXTURES, "zero3_w3_fp32")
+
+
+def copy_fixture(src: str, tmp_path) -> str:
+    """A writable copy of fixture folder ``src`` under ``tmp_path`` (folders 0755, files 0644)."""
+    dst = os.path.join(tmp_path, os.path.basename(src))
+    shutil.copytree(src, dst)
+    for dirpath, _, files in os.walk(dst):
+        os.chmod(dirpath, 0o755)
+        for f in files:
+            os.chmod(os.path.join(dirpath, f), 0o644)
+    return dst
 
 
 def moment_spans(pt):

@@ -68,9 +68,10 @@ def find_optim_files(tag_dir: str) -> OptimFiles:
     by_rank: dict[int, str] = {}
     prefixes = set()
     for name in sorted(os.listdir(tag_dir)):
-        if "expp_rank" in name or re.match(r"^layer_\d+_expert_", name):
+        if "expp_rank" in name:
             raise DeepSpeedLayoutError(f"{os.path.join(tag_dir, name)}: mixture-of-experts "
-                                       f"checkpoints are not supported")
+                                       f"checkpoints without ZeRO (expp_rank optimizer files) are "
+                                       f"not supported, only ZeRO-1/2 ones")
         m = _OPTIM.match(name)
         if not m:
             continue

@@ -84,27 +84,57 @@ def zero12_layout(group_params: Sequence[Sequence[tuple[str, int]]],
 
     Source keys are ``(rank, group)``.
     """
-    world_size = len(partition_numels)
-    align = 2 * world_size
+    every_rank = range(len(partition_numels))
+    return zero12_replica_layout([[(every_rank, params)] for params in group_params],
+                                 partition_numels, param_paddings)
+
+
+def zero12_replica_layout(replicas: Sequence[Sequence[tuple[Sequence[int], Sequence[tuple[str, int]]]]],
+                          partition_numels: Sequence[Sequence[int]],
+                          param_paddings: Sequence[Sequence[int]] | None = None) -> dict[str, list[Piece]]:
+    """ZeRO-1/2 trainable parameters of a run whose param groups are partitioned over
+    different sets of ranks (DeepSpeed MoE: an expert group over each expert data-parallel
+    group, one copy of its flat layout per expert-parallel rank).
+
+    Args:
+        replicas: per param group, ``[(ranks in partition order, [(name, numel)])]``: one
+            entry for a group partitioned over every rank, one per expert-parallel rank for
+            an expert group (the same shapes, each under its own experts' names).
+        partition_numels: ``[rank][group]`` numel of ``single_partition_of_fp32_groups``.
+        param_paddings: as for ``zero12_layout`` (the same for every copy of a group).
+
+    Source keys are ``(rank, group)``.
+    """
     out: dict[str, list[Piece]] = {}
-    for g, params in enumerate(group_params):
-        parts = [((r, g), partition_numels[r][g]) for r in range(world_size)]
-        avail = sum(n for _, n in parts)
-        pads = param_paddings[g] if param_paddings is not None else [0] * len(params)
-        if len(pads) != len(params):
-            raise PartitionError(f"param group {g}: {len(pads)} alignment paddings for {len(params)} parameters")
-        offset = 0
-        for (name, numel), pad in zip(params, pads):
-            if offset + numel > avail:
-                raise PartitionError(f"param group {g}: {name} needs elements up to {offset + numel}, "
-                                  f"but the {world_size} rank partitions hold {avail}")
-            out[name] = concat_pieces(offset, numel, parts)
-            offset += numel + pad
-        # DeepSpeed pads each group to a multiple of 2*world_size; what remains may differ
-        # from what was consumed only within that alignment (zero_to_fp32's own check).
-        if math.ceil(offset / align) != math.ceil(avail / align):
-            raise PartitionError(f"param group {g}: parameters consume {offset} elements but the rank "
-                              f"partitions hold {avail} (not within the {align}-element alignment)")
+    for g, copies in enumerate(replicas):
+        pads = param_paddings[g] if param_paddings is not None else None
+        for ranks, params in copies:
+            out.update(_zero12_group(g, params, [((r, g), partition_numels[r][g]) for r in ranks], pads))
+    return out
+
+
+def _zero12_group(g: int, params: Sequence[tuple[str, int]], parts: list[tuple[Hashable, int]],
+                  pads: Sequence[int] | None) -> dict[str, list[Piece]]:
+    """One param group's flat layout over the partitions ``parts`` = [(source key, numel)]
+    (DeepSpeed aligns a group to 2 elements per partition)."""
+    align = 2 * len(parts)
+    avail = sum(n for _, n in parts)
+    pads = pads if pads is not None else [0] * len(params)
+    if len(pads) != len(params):
+        raise PartitionError(f"param group {g}: {len(pads)} alignment paddings for {len(params)} parameters")
+    out: dict[str, list[Piece]] = {}
+    offset = 0
+    for (name, numel), pad in zip(params, pads):
+        if offset + numel > avail:
+            raise PartitionError(f"param group {g}: {name} needs elements up to {offset + numel}, "
+                                 f"but the {len(parts)} rank partitions hold {avail}")
+        out[name] = concat_pieces(offset, numel, parts)
+        offset += numel + pad
+    # DeepSpeed pads each group to a multiple of 2*world_size; what remains may differ
+    # from what was consumed only within that alignment (zero_to_fp32's own check).
+    if math.ceil(offset / align) != math.ceil(avail / align):
+        raise PartitionError(f"param group {g}: parameters consume {offset} elements but the rank "
+                             f"partitions hold {avail} (not within the {align}-element alignment)")
     return out
 
 

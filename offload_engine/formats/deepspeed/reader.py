@@ -38,8 +38,9 @@ from ..pt_limits import MAX_EXTENT, MAX_NDIM
 from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt, short_repr
 from ..source import ReadRequest, TensorSource, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
-from .partitions import (Piece, PartitionError, fragments_layout, zero3_layout, zero12_layout,
-                         zero12_momentum_layout)
+from .experts import ExpertLayout, expert_layout, find_expert_files
+from .partitions import (Piece, PartitionError, fragments_layout, zero3_layout, zero12_momentum_layout,
+                         zero12_replica_layout)
 from .scatter_read import ScatterReader, Segment, segment_wants
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -206,6 +207,8 @@ class DeepSpeedSource(TensorSource):
         self._optims = [first] + [load_pt(p) for p in paths[1:]]
         self._models = [load_pt(p) for p in model_files(self.tag_dir, self.stage, self.world_size)]
         self._files: list[PtFile] = self._optims + self._models
+        self._expert_files: list[PtFile] = []  # an MoE run's per-expert model states
+        self.experts: dict[str, int] = {}  # an MoE run's layers (module prefix) -> expert count
         for pt in self._optims[1:]:
             stage = _as_int(_optimizer_state(pt)["zero_stage"], "zero_stage", pt.path)
             if stage != self.stage:
@@ -250,7 +253,8 @@ class DeepSpeedSource(TensorSource):
             + f", deepspeed {self.ds_version}",
             step=self.global_steps if type(self.global_steps) is int else None,
             generation=self.tag, world_size=self.world_size,
-            files=[(pt.path, os.path.getsize(pt.path)) for pt in sorted(self._files, key=lambda f: f.path)])
+            files=[(pt.path, os.path.getsize(pt.path))
+                   for pt in sorted(self._files + self._expert_files, key=lambda f: f.path)])
         self.info.notes += self._notes
         if self._tensors and not any("exp_avg" in t.states for t in self._tensors):
             self.info.notes.append("no Adam moments in the optimizer files")
@@ -365,8 +369,18 @@ class DeepSpeedSource(TensorSource):
                                                f"alignment paddings for {len(params)} param groups")
                 if pads is not None and not any(any(p) for p in pads):
                     pads = None  # all zero: the common case, parameters back to back
-                layout = zero12_layout(params, [[ref.numel for ref in lst] for lst in masters], pads)
+                moe = self._expert_layout(groups, osds[0])
+                shapes = moe.shapes
+                numel = {n: math.prod(s) for n, s in shapes.items()}
+                layout = zero12_replica_layout(
+                    [[(ranks, [(n, numel[n]) for n in names]) for ranks, names in copies]
+                     for copies in moe.replicas],
+                    [[ref.numel for ref in lst] for lst in masters], pads)
+                layout = {n: layout[n] for n in moe.ordered(list(layout))}
             else:
+                if find_expert_files(self.tag_dir):
+                    raise DeepSpeedLayoutError(f"{self.tag_dir}: per-expert files in a ZeRO-3 checkpoint; "
+                                               f"DeepSpeed's native MoE does not run under ZeRO-3")
                 layout = zero3_layout([p for g in params for p in g],
                                       [[ref.numel for ref in lst] for lst in masters])
         except PartitionError as e:
@@ -449,6 +463,30 @@ class DeepSpeedSource(TensorSource):
                 if step is not None and "exp_avg" in meta.states:
                     meta.extra["adam_step"] = step
             self._tensors.append(meta)
+
+    def _expert_layout(self, groups: list[dict], osd0: dict) -> ExpertLayout:
+        """Which ranks partition each ZeRO-1/2 param group, under which names (an MoE
+        run's expert groups: see ``experts.py``), with its expert files checked."""
+        path = self._optims[0].path
+        count = osd0.get("partition_count")
+        counts = count if isinstance(count, (list, tuple)) else [count] * len(groups)
+        counts = [_as_int(c, "partition_count", path) for c in counts]
+        moe = expert_layout(self.tag_dir, self._models[0], [list(g) for g in groups],
+                            {n: s for g in groups for n, s in g.items()}, counts,
+                            self.world_size, path)
+        for pt in self._optims[1:]:
+            other = _optimizer_state(pt).get("partition_count")
+            if moe.experts and other != count:
+                raise DeepSpeedLayoutError(f"{pt.path}: partition_count {short_repr(other)}, but "
+                                           f"{path} has {short_repr(count)} (expert counts or "
+                                           f"expert-parallel sizes differ between files)")
+        self.experts = dict(moe.experts)
+        if moe.experts:
+            self._expert_files = moe.expert_files  # listed, never read: the masters are in the partitions
+            self._notes.append(
+                "mixture-of-experts: " + ", ".join(f"{p} {n} experts" for p, n in moe.experts.items())
+                + "; experts keep DeepSpeed's per-expert names, with global expert ids")
+        return moe
 
     def _forget(self, state: str) -> None:
         """Drop every segment of ``state`` (it could not be mapped for some tensor)."""
