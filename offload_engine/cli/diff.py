@@ -13,7 +13,7 @@ import sys
 
 from ..formats import KIND_LABELS
 from ..offline.diff import diff_sources
-from .inspect import _num, _table, open_input
+from .inspect import _num, _table, add_expert_argument, open_input
 from .progress import ProgressLine
 from ..errors import InputError
 
@@ -39,6 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(repeatable)")
     p.add_argument("--name", action="append", metavar="GLOB",
                    help="only tensors whose name matches (repeatable)")
+    add_expert_argument(p)
     p.add_argument("--metadata-only", action="store_true",
                    help="compare names, shapes, dtypes and states only; read no values")
     p.add_argument("--ignore-dtype", action="store_true",
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
         raise InputError("--rtol and --atol must be >= 0")
     mode = _mode(args.state)
-    with open_input(args.a, args.generation_a) as a, open_input(args.b, args.generation_b) as b:
+    with open_input(args.a, args.generation_a, args.expert) as a, \
+            open_input(args.b, args.generation_b, args.expert) as b:
         progress = ProgressLine(label="diff") if sys.stderr.isatty() else None
         report = diff_sources(a, b, rtol=args.rtol, atol=args.atol, mode=mode, names=args.name,
                               ignore_dtype=args.ignore_dtype, progress=progress,

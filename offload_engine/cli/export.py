@@ -12,7 +12,7 @@ import time
 
 from ..offline.export import export_tensor
 from ..units import format_bytes
-from .inspect import open_input
+from .inspect import add_expert_argument, open_input
 
 # the spellings --dtype takes (offload_engine.dtypes knows them all)
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
@@ -28,7 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "master weights where it has them, else the parameter. Checkpoint chunks "
                     "are checked against their recorded checksums.")
     p.add_argument("path", metavar="PATH", help="input (store, checkpoint, DeepSpeed, safetensors)")
-    p.add_argument("name", metavar="NAME", help="tensor name (as inspect lists it)")
+    p.add_argument("name", metavar="NAME", help="tensor name (as inspect lists it; with "
+                                                "--expert, a stack's name or NAME[E])")
+    add_expert_argument(p)
     p.add_argument("--state", metavar="S", help="state to write (param, master, "
                                                 "momentum_buffer, exp_avg, exp_avg_sq, ...)")
     p.add_argument("--out", required=True, metavar="FILE",
@@ -45,8 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    with open_input(args.path, args.generation) as source:
-        r = export_tensor(source, args.name, args.out, state=args.state, dtype=args.dtype)
+    with open_input(args.path, args.generation, args.expert) as source:
+        name = source.resolve(args.name) if args.expert is not None else args.name
+        r = export_tensor(source, name, args.out, state=args.state, dtype=args.dtype)
     if args.json:
         print(json.dumps({**r, "source": source.info.path,
                           "seconds": round(time.perf_counter() - started, 3)}, indent=2))

@@ -31,7 +31,7 @@ from ..formats.errors import FormatError
 from ..formats.source import ReadRequest, StateMeta, TensorMeta, TensorSource
 
 EXPERT_MODULE = "experts"
-_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_PER_EXPERT = re.compile(r"(?:^|[._])experts\.(\d+)\.")
 
 
 def expert_count(name: str, shape: Sequence[int]) -> int | None:
@@ -107,6 +107,17 @@ class ExpertView(TensorSource):
 
     def tensors(self) -> list[TensorMeta]:
         return list(self._tensors)
+
+    def resolve(self, name: str) -> str:
+        """The view's name for ``name``: itself (a per-expert tensor of this expert, or
+        ``stack[e]``), or a stack's name given plain (``layers.0.moe.experts.w1`` ->
+        ``layers.0.moe.experts.w1[e]``). FormatError naming the input otherwise."""
+        if name in self._where:
+            return name
+        if stack_name(name, self.expert) in self._where:
+            return stack_name(name, self.expert)
+        raise FormatError(f"{self.info.path}: {name!r} is neither an expert stack holding "
+                          f"expert {self.expert} nor a tensor of expert {self.expert}")
 
     def _source_key(self, name: str, state: str | None) -> tuple[str, int]:
         """The source tensor behind view name ``name`` and where its part starts in
