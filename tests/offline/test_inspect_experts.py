@@ -2,8 +2,9 @@
 shape and expert count, and ``--expert E`` (the same option in the three commands)
 selecting one expert: a stack's slice ``NAME[E]`` and the per-expert tensors of expert E.
 
-The checkpoint is our format over 4 ranks with 5 experts per stack: rows (experts) split
-2 + 1 + 1 + 1, so expert 1 is the second expert of rank 0's shard and expert 4 is rank 3's.
+The checkpoint is our format over 4 ranks with 5 experts per stack, split on the expert
+dimension as FSDP2 splits rows (2 + 2 + 1 + 0): expert 1 is the second of rank 0's shard,
+expert 4 is rank 2's, rank 3 holds none.
 """
 
 from __future__ import annotations
@@ -135,3 +136,25 @@ def test_export_of_a_tensor_that_is_not_of_the_expert(checkpoint, tmp_path, caps
     rc, _, err = run_cli(["export", root, "layers.0.moe.router.gate.weight", "--expert", 1,
                           "--out", str(tmp_path / "x.npy")], capsys)
     assert_one_line_error(rc, err, "layers.0.moe.router.gate.weight", "expert 1")
+
+
+@pytest.mark.parametrize("experts", [4, 6])
+def test_stack_whose_expert_count_disagrees_with_its_shards(checkpoint, tmp_path, capsys, experts):
+    """The manifest says the stack holds ``experts`` experts, the ranks' shards hold 5:
+    consolidate and export refuse in one line naming the tensor, and write nothing."""
+    from helpers.synthetic import reseal
+    root, _ = checkpoint
+    gen = os.path.join(root, open(os.path.join(root, "latest")).read().strip())
+    with open(os.path.join(gen, "zarr.json")) as f:
+        doc = json.load(f)
+    doc["attributes"]["tensors"][W1]["shape"][0] = experts
+    with open(os.path.join(gen, "zarr.json"), "w") as f:
+        json.dump(doc, f)
+    reseal(gen)  # as a forger would: the shards, not the checksums, must catch it
+    out = tmp_path / "hf"
+    rc, _, err = run_cli(["consolidate", root, out], capsys)
+    assert_one_line_error(rc, err, W1)
+    assert not out.exists() or not os.listdir(out)
+    rc, _, err = run_cli(["export", root, W1, "--expert", 1, "--out", tmp_path / "x.npy"], capsys)
+    assert_one_line_error(rc, err, W1)
+    assert not os.path.exists(tmp_path / "x.npy")
