@@ -49,6 +49,23 @@ class ParamInfo:
         return self.rows * self.row_numel
 
     @property
+    def stacked(self) -> bool:
+        """A stack of matrices on dim 0: a 3-D Muon parameter, one matrix per expert
+        (``matrices.py``)."""
+        return self.kind == "muon" and len(self.shape) == 3
+
+    @property
+    def matrices(self) -> int:
+        """How many matrices Newton-Schulz sees in it: the experts of a stack, else 1."""
+        return self.shape[0] if self.stacked else 1
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """(rows, cols) of each matrix: an expert's slice of a stack, else (rows, elements
+        per row); Muon's lr adjustment and Newton-Schulz cost come from it."""
+        return tuple(self.shape[1:]) if self.stacked else (self.rows, self.row_numel)
+
+    @property
     def row_split(self) -> bool:
         """Each rank holds whole rows, in rank order, each row once (no ``boxes``)."""
         return self.boxes is None

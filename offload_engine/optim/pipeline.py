@@ -32,6 +32,7 @@ import torch
 from .adamw_math import adamw_update_
 from .groups import scalar
 from .muon_math import adjusted_lr, apply_update_, momentum_update_, nesterov_input
+from .comm import overlaps
 from .resources import StepResources
 from .state_layout import StateKind
 from .step_schedule import Do
@@ -148,7 +149,7 @@ class StepRunner:
         parameter's master starts from the parameter."""
         res = self.res
         plan = res.plans[bundle.index]
-        send, _ = res.exchange.buffers(slot, plan)
+        send = res.exchange.kept_buffer(slot, plan)   # runs index it whole
         master = bundle.key(StateKind.MASTER)
         mom = ctx.handle(bundle, j, StateKind.MOMENTUM)
         for seg in bundle.rows[j].segments:
@@ -159,11 +160,13 @@ class StepRunner:
             grad = self._grad(ctx, seg, master is not None)
             buf = mom.tensor[seg.offset:seg.offset + n]
             momentum_update_(buf, grad, g["momentum"])
-            out = plan.send_offset.get(seg.param)
-            if out is not None:  # else a replica of this box sends it
+            runs = plan.send_runs.get(seg.param)
+            if runs:  # else a replica of this box sends it
                 u = nesterov_input(grad, buf, g["momentum"], g["nesterov"],
                                    out=res.scratch.get("u", buf.dtype, n))
-                send[out + seg.lo:out + seg.lo + n].copy_(u)
+                # one run per matrix: a stack's experts may go to different owners
+                for a, b, at, _ in overlaps(runs, seg.lo, seg.hi):
+                    send[at:at + b - a].copy_(u[a - seg.lo:b - seg.lo])
             if master is not None:  # first step: the master starts from the parameter
                 self._master_seg(ctx.handle(bundle, j, StateKind.MASTER), seg, ctx)
 
@@ -174,17 +177,21 @@ class StepRunner:
         plan = res.plans[bundle.index]
         _, recv = res.exchange.buffers(slot, plan)
         back, _ = res.exchange.back_buffers(slot, plan)
+        kept = res.exchange.kept_buffer(slot, plan)
         t0 = time.perf_counter()
-        for om in plan.owned:
-            if om.param not in ctx.active:
-                continue
-            g = res.infos[om.param].group
-            x = res.ns.input(om.rows, om.cols)
-            for pc in om.pieces:
-                x[pc.box.slices()].copy_(recv[pc.offset:pc.offset + pc.numel].view(pc.box.shape))
-            out = res.ns.run(om.rows, om.cols, g["ns_coefficients"], g["ns_steps"], g["eps"])
-            for pc in om.returns:
-                back[pc.offset:pc.offset + pc.numel].view(pc.box.shape).copy_(out[pc.box.slices()])
+        # exchanged matrices: pieces from the receive buffer, O to the back send buffer;
+        # kept ones (held whole here alone): U and O in place in the send buffer
+        for matrices, src, dst in ((plan.owned, recv, back), (plan.kept, kept, kept)):
+            for om in matrices:
+                if om.param not in ctx.active:
+                    continue
+                g = res.infos[om.param].group
+                x = res.ns.input(om.rows, om.cols)
+                for pc in om.pieces:
+                    x[pc.box.slices()].copy_(src[pc.offset:pc.offset + pc.numel].view(pc.box.shape))
+                out = res.ns.run(om.rows, om.cols, g["ns_coefficients"], g["ns_steps"], g["eps"])
+                for pc in om.returns:
+                    dst[pc.offset:pc.offset + pc.numel].view(pc.box.shape).copy_(out[pc.box.slices()])
         ctx.ns_s += time.perf_counter() - t0
 
     def apply(self, bundle, j: int, slot: int, ctx) -> None:
@@ -192,6 +199,7 @@ class StepRunner:
         res = self.res
         plan = res.plans[bundle.index]
         _, back = res.exchange.back_buffers(slot, plan)
+        kept = res.exchange.kept_buffer(slot, plan)
         mh = ctx.handle(bundle, j, StateKind.MASTER) if bundle.key(StateKind.MASTER) else None
         for seg in bundle.rows[j].segments:
             if seg.param not in ctx.active:
@@ -199,13 +207,15 @@ class StepRunner:
             info = res.infos[seg.param]
             g = info.group
             lr = scalar(g["lr"])
+            # from each matrix's own shape: an expert's slice of a stack, as torch Muon on it
+            lr_adjusted = adjusted_lr(lr, g["adjust_lr_fn"], info.matrix_shape)
             n = seg.hi - seg.lo
-            start = plan.back_offset[seg.param] + seg.lo
-            update = back[start:start + n]
             p = ctx.params_flat[seg.param][seg.lo:seg.hi]
             target = p if mh is None else mh.tensor[seg.offset:seg.offset + n]
-            apply_update_(target, update, lr, g["weight_decay"],
-                          adjusted_lr(lr, g["adjust_lr_fn"], info.shape))
+            for a, b, at, in_place in overlaps(plan.back_runs[seg.param], seg.lo, seg.hi):
+                update = (kept if in_place else back)[at:at + b - a]
+                apply_update_(target[a - seg.lo:b - seg.lo], update, lr, g["weight_decay"],
+                              lr_adjusted)
             if mh is not None:
                 p.copy_(target)
 

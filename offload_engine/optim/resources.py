@@ -58,7 +58,10 @@ class StepResources:
     scratch: Scratch
     device: torch.device
     prefix: str = ""                       # of this rank's array names in the store
-    owner: dict[int, int] = field(default_factory=dict)  # Muon param -> rank that runs its NS
+    owner: dict[int, int] = field(default_factory=dict)  # 2-D Muon param -> rank that runs its NS
+    # (param, expert) -> rank that runs its NS, every matrix of an exchanged bundle (a 2-D
+    # parameter is expert 0)
+    matrix_owner: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def array_name(self, name: str) -> str:
         """The store's name of layout array ``name``."""

@@ -26,7 +26,8 @@ from ..layout.manifest import SHARDS
 from ..store import StoreConfig, TieredStore
 from ..store.geometry import array_pool_bytes
 from ..units import PAGE
-from .comm import Exchange, plan_exchange
+from .comm import Exchange, plan_exchange, plan_matrices
+from .experts import report_non_matrices, with_experts
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
 from .muon_defaults import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 from .muon_math import NewtonSchulz
@@ -68,7 +69,12 @@ class ZeroMuon(torch.optim.Optimizer):
             CPU memory, sized to fit.
         master_weights: keep fp32 master copies of non-fp32 parameters in the store and run
             the math (and keep the state) in fp32; the parameter gets the rounded result.
-        use_muon_rule: ``f(name, param) -> bool`` for groups without ``use_muon``.
+        use_muon_rule: ``f(name, param) -> bool`` for groups without ``use_muon``. A 3-D
+            parameter it puts on Muon is a stack of matrices along dim 0 (one per expert).
+        expert_params: 3-D parameters that are stacks of expert matrices ``[num_experts,
+            out, in]`` besides those the default rule knows (a module named ``experts``): a
+            regular expression searched in the name, or ``f(name, param) -> bool``. Each
+            expert is its own matrix to Muon (docs/optimizer.md, Mixture of experts).
         model: the model the parameters belong to, for parameters or groups passed without
             names (``model.parameters()``, the Hugging Face Trainer's groups): each gets its
             name from the model, and embedding tables and output heads (by module:
@@ -89,7 +95,8 @@ class ZeroMuon(torch.optim.Optimizer):
                  adjust_lr_fn: str | None = None, *, adamw: dict | None = None,
                  store: StoreConfig | dict | TieredStore | None = None,
                  master_weights: bool = False, use_muon_rule=default_use_muon,
-                 model: torch.nn.Module | None = None, stale_store: str = "refuse"):
+                 model: torch.nn.Module | None = None, stale_store: str = "refuse",
+                 expert_params=None):
         self._ready = False
         if stale_store not in STALE_STORE_CHOICES:
             raise InputError(f"stale_store must be one of {STALE_STORE_CHOICES}, got "
@@ -103,7 +110,7 @@ class ZeroMuon(torch.optim.Optimizer):
         if unknown:
             raise InputError(f"unknown AdamW option(s) {sorted(unknown)}")
         self._adamw_defaults = dict(ADAMW_DEFAULTS, **(adamw or {}))
-        rule, report_guesses = module_aware(use_muon_rule, model)
+        rule, report_guesses = module_aware(with_experts(use_muon_rule, expert_params), model)
         super().__init__(split_groups(name_params(params, model), rule), {})
         report_guesses()
         self.defaults = dict(self._muon_defaults)
@@ -126,15 +133,16 @@ class ZeroMuon(torch.optim.Optimizer):
         for group in self.param_groups:
             kind = "muon" if group["use_muon"] else "adamw"
             for name, p in iter_named(group):
-                if kind == "muon" and p.ndim != 2:
-                    raise InputError("Muon only supports 2D parameters whereas we found a "
-                                     f"parameter with size: {p.size()}"
-                                     + (f" ({name})" if name else ""))
+                if kind == "muon" and p.ndim not in (2, 3):
+                    raise InputError("Muon only supports 2D parameters (and 3-D stacks of "
+                                     "expert matrices) whereas we found a parameter with "
+                                     f"size: {p.size()}" + (f" ({name})" if name else ""))
                 if not p.is_floating_point():
                     raise InputError(f"parameter {name or len(infos)} has dtype {p.dtype}; "
                                      "only floating point parameters can be optimized")
                 infos.append(ParamInfo(len(infos), p, group, name, kind, tuple(p.shape),
                                        p.dtype, is_dtensor(p)))
+        report_non_matrices(infos)
         devices = {local_tensor(i.param).device for i in infos}
         if len(devices) != 1:
             raise InputError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
@@ -174,33 +182,42 @@ class ZeroMuon(torch.optim.Optimizer):
         step uses, allocated once for the largest bundle, matrix and segment."""
         infos = self.infos
         muon = [c for c in self.layout.bundles if c.kind == "muon"]
-        exchanged = [c for c in muon if c.distributed and self.world > 1]
-        owners = assign_owners([[infos[p].shape for p in c.params] for c in exchanged], self.world)
+        spread = lambda c: c.distributed and self.world > 1
+        mats = {c.index: plan_matrices([infos[p] for p in c.params], self.world, spread(c))
+                for c in muon}
+        exchanged = [c for c in muon if spread(c)]
+        owners = assign_owners([[(m.rows, m.cols) for m in mats[c.index]] for c in exchanged],
+                               self.world, candidates=[[m.candidates for m in mats[c.index]]
+                                                       for c in exchanged])
         owner_of = {c.index: o for c, o in zip(exchanged, owners)}
         plans = {c.index: plan_exchange([infos[p] for p in c.params],
-                                        owner_of.get(c.index, [self.rank] * len(c.params)),
+                                        owner_of.get(c.index, [self.rank] * len(mats[c.index])),
                                         self.rank, self.world, c.distributed)
                  for c in muon}
         most = lambda f: max((f(pl) for pl in plans.values() if not pl.local), default=0)
         exchange = Exchange(self.group, self.rank, self.world, SLOTS,
-                            max((pl.send_numel for pl in plans.values()), default=0),
+                            max((pl.send_total for pl in plans.values()), default=0),
                             most(lambda pl: pl.recv_numel), device=self.device,
                             max_back_send=most(lambda pl: pl.back_send_numel),
                             max_back_recv=most(lambda pl: pl.back_recv_numel))
-        owned = [m for pl in plans.values() for m in pl.owned]
+        owned = [m for pl in plans.values() for m in pl.owned + pl.kept]
         ns = NewtonSchulz(max((m.rows * m.cols for m in owned), default=0),
                           max((min(m.rows, m.cols) for m in owned), default=0), self.device)
         longest = max((s.hi - s.lo for c in self.layout.bundles for r in c.rows
                        for s in r.segments), default=0)
+        matrix_owner = {(m.param, m.expert): o for c in exchanged
+                        for m, o in zip(mats[c.index], owner_of[c.index])}
         return StepResources(self.store, self.layout, infos, plans, exchange, ns,
                              Scratch(longest, self.device), self.device, self.prefix,
-                             {p: o for c, os_ in zip(exchanged, owners) for p, o in zip(c.params, os_)})
+                             {p: o for (p, e), o in matrix_owner.items()
+                              if not infos[p].stacked}, matrix_owner)
 
     # what a step uses, by name, for callers that inspect it (tests, benchmarks)
     plans = property(lambda self: self.resources.plans)
     exchange = property(lambda self: self.resources.exchange)
     ns = property(lambda self: self.resources.ns)
     owner = property(lambda self: self.resources.owner)
+    matrix_owner = property(lambda self: self.resources.matrix_owner)
 
     def _store_config(self, store) -> StoreConfig:
         if isinstance(store, TieredStore):

@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..optim.owners import ns_flops
+from ..optim.owners import shape_ns_flops
 from ..errors import InputError
 
 # torchtitan's [parallelism] keys, and the short names --mesh takes
@@ -127,13 +127,14 @@ def mesh_figures(mesh: Mesh, gpus_per_node: int, muon_shapes: list[tuple[int, in
                  ns_steps: int, node_read: int, node_written: int, state_bytes: int) -> dict:
     """What the mesh adds to a plan made over one shard group: bytes, FLOPs and copies.
 
-    ``muon_shapes``: (rows, cols) of every Muon matrix; ``node_read``/``node_written``: NVMe
+    ``muon_shapes``: (rows, cols) of every Muon matrix, (experts, rows, cols) of a stack of
+    expert matrices (one Newton-Schulz per expert); ``node_read``/``node_written``: NVMe
     bytes per step of the busiest node; ``state_bytes``: optimizer-state bytes of one shard
     group (its ranks' state summed)."""
     W, D, R = mesh.world_size, mesh.shard_group, mesh.dp_replicate
-    p_muon = sum(r * c for r, c in muon_shapes)
+    p_muon = sum(math.prod(s) for s in muon_shapes)
     each_way = 2 * p_muon * (W + D - 2) / (W * D) if W > 1 else 0
-    flops = sum(ns_flops(r, c, ns_steps) for r, c in muon_shapes)
+    flops = sum(shape_ns_flops(s, ns_steps) for s in muon_shapes)
     nodes = W // gpus_per_node
     return {
         "dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp,
