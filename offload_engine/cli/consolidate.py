@@ -20,8 +20,9 @@ from ..offline.hf_experts import EXPERT_MODES, expert_naming, find_config
 from ..offline.hf_extras import copy_extras, find_extras
 from ..offline.hf_shards import parse_size
 from ..offline.state_dict import open_weights
+from .printable import printable
 from .progress import ProgressLine
-from .terminate import EXIT_TERMINATED, Terminated, sigterm_raises
+from .terminate import until_sigterm
 
 # DeepSpeed's zero_to_fp32.py spellings, accepted so its command lines work unchanged;
 # hidden from --help (listed in the description) so each option shows once.
@@ -87,13 +88,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        with sigterm_raises():
-            return _run(args)
-    except Terminated:
-        print(f"offload-engine consolidate: terminated (SIGTERM); {args.out} holds one whole "
-              f"export, the earlier one or this run's", file=sys.stderr)
-        return EXIT_TERMINATED
+    return until_sigterm(lambda: _run(args),
+                         f"offload-engine consolidate: terminated (SIGTERM); {args.out} holds "
+                         f"one whole export, the earlier one or this run's")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -113,20 +110,21 @@ def _run(args: argparse.Namespace) -> int:
         written_s = time.perf_counter() - started
         shards = sum(f.endswith(".safetensors") for f in result.files)
         if not args.json:
-            print(f"{source.describe()}: wrote {result.tensors} tensors, {result.total_bytes} "
-                  f"bytes, {shards} shard(s){' + index' if result.index else ''} to {args.out}"
-                  + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
-                     if result.aliases else "")
-                  + (f"; copied {', '.join(copied)}" if copied else "")
-                  + (f"; {experts_note}" if experts_note else ""))
+            print(printable(  # names and paths come from the input
+                f"{source.describe()}: wrote {result.tensors} tensors, {result.total_bytes} "
+                f"bytes, {shards} shard(s){' + index' if result.index else ''} to {args.out}"
+                + (f"; tied: {', '.join(f'{a} -> {o}' for a, o in sorted(result.aliases.items()))}"
+                   if result.aliases else "")
+                + (f"; copied {', '.join(copied)}" if copied else "")
+                + (f"; {experts_note}" if experts_note else "")))
         problems = None
         if args.verify:
             problems = verify_output(source, args.out, dtype=dtype, chunk_bytes=window,
                                      exclude_frozen=args.exclude_frozen)
             for line in problems:
-                print(f"offload-engine consolidate: verify: {line}", file=sys.stderr)
+                print(f"offload-engine consolidate: verify: {printable(line)}", file=sys.stderr)
             if not problems and not args.json:
-                print(f"verified: every tensor in {args.out} matches the checkpoint")
+                print(f"verified: every tensor in {printable(args.out)} matches the checkpoint")
         if args.json:
             summary = _summary(source, result, args, written_s, problems,
                                time.perf_counter() - started, copied)

@@ -14,6 +14,7 @@ import sys
 from ..formats import KIND_LABELS
 from ..offline.diff import diff_sources
 from .inspect import _num, _table, add_expert_argument, open_input
+from .printable import printable
 from .progress import ProgressLine
 from ..errors import InputError
 
@@ -88,19 +89,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(report, label_a: str, label_b: str, args) -> None:
     out = sys.stdout
-    print(f"A  {label_a}", file=out)
-    print(f"B  {label_b}", file=out)
+    print(f"A  {printable(label_a)}", file=out)
+    print(f"B  {printable(label_b)}", file=out)
     mode = _mode(args.state)
     print(f"compared {len(report.values)} tensor states ("
           f"{mode if isinstance(mode, str) else ', '.join(mode)}), rtol {args.rtol:g}, "
           f"atol {args.atol:g}", file=out)
     if report.removed:
-        print(f"only in A ({len(report.removed)}): {', '.join(report.removed)}", file=out)
+        print(f"only in A ({len(report.removed)}): {', '.join(map(printable, report.removed))}", file=out)
     if report.added:
-        print(f"only in B ({len(report.added)}): {', '.join(report.added)}", file=out)
+        print(f"only in B ({len(report.added)}): {', '.join(map(printable, report.added))}", file=out)
     for c in report.changed:
         state = f"/{c['state']}" if "state" in c else ""
-        print(f"changed {c['what']}: {c['name']}{state}: {c['a']} -> {c['b']}", file=out)
+        print(f"changed {c['what']}: {printable(c['name'])}{printable(state)}: "
+              f"{printable(c['a'])} -> {printable(c['b'])}", file=out)
     rows = [v for v in report.values if args.verbose or not v["equal"]]
     if rows:
         _table(["NAME", "STATE", "MAX_ABS", "REL_L2", "MISMATCHES", "COUNT"],

@@ -13,6 +13,7 @@ import time
 from ..offline.export import export_tensor
 from ..units import format_bytes
 from .inspect import add_expert_argument, open_input
+from .printable import printable
 
 # the spellings --dtype takes (offload_engine.dtypes knows them all)
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**r, "source": source.info.path,
                           "seconds": round(time.perf_counter() - started, 3)}, indent=2))
         return 0
-    print(f"wrote {r['name']} ({r['state']}, shape {r['shape']}, {r['dtype']}) to {r['path']} "
+    print(f"wrote {printable(r['name'])} ({printable(r['state'])}, shape {r['shape']}, "
+          f"{r['dtype']}) to {printable(r['path'])} "
           f"({format_bytes(r['bytes'])})")
     return 0

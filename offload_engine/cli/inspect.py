@@ -20,6 +20,7 @@ from ..offline.experts import ExpertView, expert_count
 from ..offline.health import health_summary
 from ..offline.select import name_matches, select
 from ..units import format_bytes, parse_bytes
+from .printable import printable
 from .progress import ProgressLine
 from ..errors import InputError
 
@@ -151,6 +152,9 @@ def _tensor_rows(source, selected, aliases: dict[str, str]) -> list[dict]:
 
 
 def _table(header: list[str], rows: list[list[str]], out) -> None:
+    """Columns padded to their widest cell; every cell through ``printable`` (names come
+    from the input)."""
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), file=out)
@@ -163,7 +167,7 @@ def print_summary(s: dict, out) -> None:
     print(f"kind        {label} ({s['format']}"
           + (f", version {s['format_version']}" if s["format_version"] is not None else "") + ")",
           file=out)
-    print(f"path        {s['path']}", file=out)
+    print(f"path        {printable(s['path'])}", file=out)
     if s["generation"] is not None:
         print(f"generation  {s['generation']}", file=out)
     if s["step"] is not None:
@@ -181,7 +185,8 @@ def print_summary(s: dict, out) -> None:
         print(f"expert      {s['expert']} (a stack's slice is listed as NAME[{s['expert']}])",
               file=out)
     if s.get("aliases"):
-        print("tied        " + ", ".join(f"{a} = {o}" for a, o in s["aliases"].items()), file=out)
+        print("tied        " + ", ".join(f"{printable(a)} = {printable(o)}"
+                                          for a, o in s["aliases"].items()), file=out)
     print("dtypes      " + ", ".join(f"{d} {n}" for d, n in s["dtypes"].items()), file=out)
     print("bytes       " + ", ".join(f"{k} {format_bytes(v)}" for k, v in s["bytes_by_state"].items()),
           file=out)
@@ -194,14 +199,15 @@ def print_summary(s: dict, out) -> None:
                                                f" (manifest {format_bytes(total)}; arrays and chunk files not listed)"),
           file=out)
     base = s["path"] if os.path.isdir(s["path"]) else os.path.dirname(s["path"])
-    shown = [(os.path.relpath(f["path"], base), f["bytes"]) for f in files[:MAX_FILES_SHOWN]]
+    shown = [(printable(os.path.relpath(f["path"], base)), f["bytes"])
+             for f in files[:MAX_FILES_SHOWN]]
     width = max((len(p) for p, _ in shown), default=0)
     for p, n in shown:
         print(f"  {p:<{width}}  {format_bytes(n)}", file=out)
     if len(files) > MAX_FILES_SHOWN:
         print(f"  ... {len(files) - MAX_FILES_SHOWN} more", file=out)
     for note in s["notes"]:
-        print(f"note        {note}", file=out)
+        print(f"note        {printable(note)}", file=out)
 
 
 def print_tensors(rows: list[dict], out) -> None:
@@ -229,22 +235,26 @@ def print_health(h: dict, out) -> None:
     if h["momentum_rms_per_layer"]:
         print("  momentum RMS per layer:", file=out)
         for e in h["momentum_rms_per_layer"]:
-            print(f"    {e['layer']:<40} {e['state']:<16} {_num(e['rms'])}", file=out)
+            print(f"    {printable(e['layer']):<40} {printable(e['state']):<16} {_num(e['rms'])}",
+                  file=out)
     else:
         print("  momentum RMS per layer: no momentum_buffer or exp_avg state selected", file=out)
     v = h["adam_exp_avg_sq"]
     if v:
-        print(f"  Adam exp_avg_sq: min {_num(v['min']['value'])} ({v['min']['tensor']}), "
-              f"max {_num(v['max']['value'])} ({v['max']['tensor']})", file=out)
+        low, high = v["min"], v["max"]
+        print(f"  Adam exp_avg_sq: min {_num(low['value'])} ({printable(low['tensor'])}), "
+              f"max {_num(high['value'])} ({printable(high['tensor'])})", file=out)
     if h["largest_values"]:
         print("  largest |values|: " + ", ".join(
-            f"{_num(e['abs_max'])} {e['tensor']}/{e['state']}" for e in h["largest_values"]),
+            f"{_num(e['abs_max'])} {printable(e['tensor'])}/{printable(e['state'])}"
+            for e in h["largest_values"]),
             file=out)
     if h["nonfinite"]:
         print(f"  NaN/Inf in {len(h['nonfinite_layers'])} layer(s): "
-              + ", ".join(h["nonfinite_layers"]), file=out)
+              + ", ".join(map(printable, h["nonfinite_layers"])), file=out)
         for e in h["nonfinite"]:
-            print(f"    {e['tensor']}/{e['state']}: {e['nan']} NaN, {e['inf']} Inf", file=out)
+            print(f"    {printable(e['tensor'])}/{printable(e['state'])}: {e['nan']} NaN, "
+                  f"{e['inf']} Inf", file=out)
     else:
         print("  NaN/Inf: none", file=out)
 

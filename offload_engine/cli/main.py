@@ -23,6 +23,7 @@ import traceback
 
 from .. import __version__
 from ..errors import InputError, OffloadEngineError
+from .printable import printable
 
 # subcommand name -> module under offload_engine.cli
 COMMANDS = {
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         if is_user_facing(e):
-            print(f"offload-engine {args.command}: error: {e}", file=sys.stderr)
+            # one line: a name or path from the input may hold a newline or ESC
+            print(f"offload-engine {args.command}: error: {printable(e)}", file=sys.stderr)
             return EXIT_USER_ERROR
         traceback.print_exc()
         print(f"offload-engine {args.command}: internal error ({type(e).__name__}): this is a "
