@@ -8,17 +8,21 @@ imported on first use: they pull in torch.distributed.
 """
 
 from ..formats.errors import CheckpointError, CheckpointSaveError
-from ..formats.ours.checkpoint_listing import resolve
+from ..formats.ours.checkpoint_listing import GenerationRemovedError, resolve
 from ..layout.checksums import ChecksumError
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "ChecksumError", "load_checkpoint", "resolve",
-           "save_checkpoint", "save_checkpoint_async"]
+__all__ = ["CheckpointError", "CheckpointLockedError", "CheckpointSaveError", "ChecksumError",
+           "GenerationRemovedError", "load_checkpoint", "resolve", "save_checkpoint",
+           "save_checkpoint_async"]
 
 
 def __getattr__(name: str):
     if name in ("save_checkpoint", "save_checkpoint_async"):
         from . import save
         return getattr(save, name)
+    if name == "CheckpointLockedError":
+        from .writer_lock import CheckpointLockedError
+        return CheckpointLockedError
     if name == "load_checkpoint":
         from .load import load_checkpoint
         return load_checkpoint

@@ -19,7 +19,9 @@ import torch
 
 from .. import dtypes
 from ..formats.errors import CheckpointError
+from ..errors import OffloadEngineError
 from ..formats.ours import OursSource
+from ..formats.ours.checkpoint_listing import find_generation, was_removed
 from ..formats.source import ReadRequest
 from ..layout.box_runs import box_runs
 from ..optim.boxes import Box
@@ -66,21 +68,33 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module | None = None, optimiz
     if rng is None:
         rng = model is not None and opt is not None
     rank, _, _ = _collective()
-    # every rank checks the metadata files it reads; rank 0 checks all of them (one
-    # reader: a damaged byte anywhere stops the load, and the tables are read once)
-    with OursSource.open_checkpoint(ckpt_dir, tag, window_bytes=WINDOW_BYTES, depth=2,
-                                    io_threads=4, verify_all_metadata=rank == 0) as src:
-        buffers = _buffers_to_restore(src, model, strict or opt is not None)
-        if opt is not None:
-            _load_optimizer(src, opt, params=model is not None)
-        if model is not None:
-            held = {id(i.param) for i in opt.infos} if opt is not None else set()
-            load_model_tensors(src, model, skip=held, strict=strict and opt is None)
-        for name, buf in buffers.items():  # whole on every rank, from rank 0's copy
-            _read_into(src, name, "param", 0, buf.view(-1) if buf.is_contiguous() else buf)
-        if extra or rng:
-            restore_training_state(src, rank, extra, rng)
-        return int(src.manifest.step)
+    gen = find_generation(ckpt_dir, tag)
+    try:
+        # every rank checks the metadata files it reads; rank 0 checks all of them (one
+        # reader: a damaged byte anywhere stops the load, and the tables are read once)
+        with OursSource.open_checkpoint(gen, window_bytes=WINDOW_BYTES, depth=2, io_threads=4,
+                                        verify_all_metadata=rank == 0) as src:
+            return _restore(src, model, opt, rank, extra, rng, strict)
+    except (OffloadEngineError, OSError) as e:  # a keep_last racing this read: say so
+        removed = was_removed(gen, e)
+        if removed is None:
+            raise
+        raise removed from e
+
+
+def _restore(src: OursSource, model, opt, rank: int, extra, rng: bool, strict: bool) -> int:
+    """``load_checkpoint``'s reads from the open generation ``src``; returns its step."""
+    buffers = _buffers_to_restore(src, model, strict or opt is not None)
+    if opt is not None:
+        _load_optimizer(src, opt, params=model is not None)
+    if model is not None:
+        held = {id(i.param) for i in opt.infos} if opt is not None else set()
+        load_model_tensors(src, model, skip=held, strict=strict and opt is None)
+    for name, buf in buffers.items():  # whole on every rank, from rank 0's copy
+        _read_into(src, name, "param", 0, buf.view(-1) if buf.is_contiguous() else buf)
+    if extra or rng:
+        restore_training_state(src, rank, extra, rng)
+    return int(src.manifest.step)
 
 
 def _load_optimizer(src: OursSource, opt, params: bool) -> None:

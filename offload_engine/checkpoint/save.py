@@ -13,6 +13,9 @@ attributes of group ``rank{r}``; when its bytes are fsynced it reports to rank 0
 file, and rank 0 writes the tensor table (global shapes, dtypes, optimizer kinds, step,
 crc32c of every chunk: docs/format.md, "Manifest") and commits: fsync, atomic rename of ``<gen>.partial`` to ``<gen>``, then
 ``latest`` (checkpoint_dir.py). The background threads make no collective calls.
+
+Rank 0 holds the folder's writer lock (writer_lock.py) from its first save on: a second
+run saving into the folder is refused on every rank before anything is written.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from .rank_writer import RankWriter
 from .retention import apply_retention, check_keep_last
 from ..formats.errors import CheckpointSaveError
 from .shared_dir import check_shared, write_marker
+from .writer_lock import hold_for, track_staging
 from .supported import check_optimizer
 from ..store.geometry import elems_per_bucket
 from ..units import MiB
@@ -111,9 +115,13 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     name = generation_dir_name(step, tag)
     final = os.path.join(ckpt_dir, name)
     staging = staging_path(final)
-    problem = token = None
+    problem = token = lock = None
     if rank == 0:
-        problem = prepare_staging(ckpt_dir, final, staging, step)
+        lock, problem = _writer_lock(ckpt_dir, opt)
+        if problem is None:
+            problem = prepare_staging(ckpt_dir, final, staging, step)
+        if problem is None:
+            track_staging(lock, staging, True)  # retention never sweeps it
         if problem is None and coll:
             try:
                 token = write_marker(staging)
@@ -125,8 +133,12 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         problem, token = shared
     if problem is not None:
         raise CheckpointSaveError.wrap(problem, final, 0)  # rank 0 prepares the generation's folder
-    if coll:  # a folder other nodes do not see would be a save that never commits
-        check_shared(ckpt_dir, staging, token, rank, world)
+    try:
+        if coll:  # a folder other nodes do not see would be a save that never commits
+            check_shared(ckpt_dir, staging, token, rank, world)
+    except BaseException:
+        _ended(lock, staging)
+        raise
 
     pending = PendingCheckpoint(final, step)
     buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
@@ -137,6 +149,8 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         create_group(os.path.join(staging, rank_group(rank)), {})
         write_shard_table(staging, rank, plan["shards"])
         training_state.write(staging, rank, state_doc)
+        adam_steps = {param_name(i): adam_step(opt, i) for i in plan["infos"]}
+        attrs = _manifest(opt, step, world, buffers, frozen, model, state_doc) if rank == 0 else None
         writer = RankWriter(staging, rank, plan["param_arrays"], plan["params"],
                             plan["state_arrays"], chunk_bytes)
         try:
@@ -147,9 +161,8 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
             raise
     except BaseException as e:
         report_failed(staging, rank, e)  # so that rank 0 does not wait for this rank
+        _ended(lock, staging)
         raise CheckpointSaveError.wrap(e, final, rank)
-    adam_steps = {param_name(i): adam_step(opt, i) for i in plan["infos"]}
-    attrs = _manifest(opt, step, world, buffers, frozen, model, state_doc) if rank == 0 else None
 
     def body() -> None:
         try:
@@ -157,16 +170,35 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
             if rank == 0:
                 _commit_as_rank0(ckpt_dir, staging, final, attrs, world, commit_timeout_s)
                 if keep_last is not None:
-                    apply_retention(ckpt_dir, keep_last, name)
+                    apply_retention(ckpt_dir, keep_last, name, lock)
             else:
                 wait_for_commit(staging, final, world, commit_timeout_s)
         except BaseException as e:  # an I/O error says which generation and rank
             raise CheckpointSaveError.wrap(e, final, rank)
+        finally:
+            _ended(lock, staging)
 
-    guard(opt, pending)
-    pending._run(body)
+    try:
+        guard(opt, pending)
+    finally:  # the snapshot runs: Ctrl-C here must not leave it with nobody to finish the save
+        pending._run(body)
     pending.stats["call_s"] = time.perf_counter() - t0
     return pending
+
+
+def _writer_lock(ckpt_dir: str, opt):
+    """Rank 0: the folder's writer lock, held by this process for as long as ``opt``
+    lives (writer_lock.py), or the error to broadcast (another run holds it)."""
+    try:
+        return hold_for(ckpt_dir, opt), None
+    except Exception as e:  # every rank raises it, not only rank 0
+        return None, e
+
+
+def _ended(lock, staging: str) -> None:
+    """Rank 0: the save into ``staging`` is no longer in flight (committed or failed)."""
+    if lock is not None:
+        track_staging(lock, staging, False)
 
 
 def _write_rank(pending: PendingCheckpoint, writer: RankWriter, snap, staging: str, rank: int,

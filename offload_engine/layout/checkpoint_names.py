@@ -11,6 +11,7 @@
                                its step was saved again: kept, never loaded
   step-00000010.deleting/      a generation keep_last is removing: never loaded
   best/                        a generation saved with tag="best" (any checked name)
+  .writer-lock                 the writing run's lock (flock), with its pid, host and time
 ```
 
 A generation is written under ``<name>.partial`` and renamed to ``<name>`` when complete
@@ -39,6 +40,8 @@ SUPERSEDED = ".superseded-"
 # <name>.deleting: a generation retention (keep_last) is removing; never loaded, and swept
 # by the next save's retention when a crash left it half removed
 DELETING = ".deleting"
+# flocked by the run saving into the folder (checkpoint/writer_lock.py); never a generation
+WRITER_LOCK = ".writer-lock"
 
 MAX_TAG = 128          # characters
 MAX_LATEST_BYTES = 4096  # a longer `latest` is not a name someone wrote: garbage, not read further

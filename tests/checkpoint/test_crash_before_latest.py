@@ -105,7 +105,7 @@ def test_rolled_back_timeline_and_the_current_generation(tmp_path, caplog):
             with caplog.at_level(logging.WARNING):
                 save_checkpoint(ck, model, opt, 2)
             assert os.path.isdir(os.path.join(ck, f"step-00000002.superseded-{k}"))
-        assert sorted(os.listdir(ck)) == ["latest", "step-00000001", "step-00000002",
+        assert sorted(os.listdir(ck)) == [".writer-lock", "latest", "step-00000001", "step-00000002",
                                           "step-00000002.superseded-1",
                                           "step-00000002.superseded-2"]
         # kept readable: named on purpose, a set-aside generation still inspects

@@ -193,11 +193,11 @@ def test_keep_last_keeps_the_newest_and_what_latest_names(tmp_path):
     ck = str(tmp_path / "ck")
     for s in range(1, 6):
         save_checkpoint(ck, model, opt, s, keep_last=2)
-    assert sorted(os.listdir(ck)) == ["latest", "step-00000004", "step-00000005"]
+    assert sorted(os.listdir(ck)) == [".writer-lock", "latest", "step-00000004", "step-00000005"]
     with open(os.path.join(ck, "latest"), "w") as f:  # roll back by hand to step 4
         f.write("step-00000004\n")
     save_checkpoint(ck, model, opt, 3, keep_last=1)  # the newest by step is 5, latest is 3
-    assert sorted(os.listdir(ck)) == ["latest", "step-00000003", "step-00000005"]
+    assert sorted(os.listdir(ck)) == [".writer-lock", "latest", "step-00000003", "step-00000005"]
     with pytest.raises(ValueError, match="keep_last"):
         save_checkpoint(ck, model, opt, 9, keep_last=0)
     opt.close()

@@ -6,18 +6,42 @@ A generation is committed when its directory exists under its final name (the re
 atomic) and its manifest says ``committed``; ``<name>.partial`` (torn) and
 ``<name>.deleting`` (being removed) are never read, and ``<name>.superseded-<k>`` only when
 asked for by that name.
+
+A run saving with ``keep_last`` removes old generations while others may be reading them.
+A reader whose generation disappears under it (renamed to ``.deleting``, then deleted)
+reports that (``GenerationRemovedError``), not a corrupt checkpoint: ``was_removed``
+tells the two apart, by whether the generation's folder still exists under its name.
 """
 
 from __future__ import annotations
 
 import os
 
-from ...layout.checkpoint_names import (LATEST, PARTIAL, is_being_deleted, is_set_aside, is_torn,
-                                        read_latest)
+from ...layout.checkpoint_names import (LATEST, PARTIAL, deleting_path, is_being_deleted,
+                                        is_set_aside, is_torn, read_latest)
 from ...layout.manifest import CHECKPOINT_FORMAT
 from ...layout.metadata import ZARR_JSON
 from ..errors import CheckpointError
 from .tensor_table import gc_paused, parse_manifest, read_manifest_attrs
+
+
+class GenerationRemovedError(CheckpointError):
+    """The generation being read was removed meanwhile (by the ``keep_last`` retention of
+    the run writing the folder, or by hand): not corruption; read ``latest`` again."""
+
+
+def was_removed(gen: str, error: BaseException) -> GenerationRemovedError | None:
+    """The error to raise instead of ``error`` (met while reading generation ``gen``) when
+    ``gen`` no longer exists under its name; None when it does (then ``error`` stands: a
+    file missing from a generation still there is damage, not retention)."""
+    if os.path.isdir(gen):
+        return None
+    name = os.path.basename(os.path.normpath(gen))
+    how = ("keep_last retention of the run saving into the folder is removing it"
+           if os.path.lexists(deleting_path(gen)) else "it no longer exists")
+    return GenerationRemovedError(
+        f"{gen}: generation {name} was removed while being read ({how}); what was loaded "
+        f"is incomplete: load again to read the generation latest names now ({error})")
 
 
 def find_generation(ckpt_dir: str, tag: str | None = None) -> str:
@@ -36,6 +60,13 @@ def find_generation(ckpt_dir: str, tag: str | None = None) -> str:
     from_latest = tag is None  # a wrong name in latest (edited, or damaged) names latest too
     if from_latest:
         tag = read_latest(ckpt_dir, CheckpointError)
+        for _ in range(3):  # a save moved latest on and retention removed what it named
+            if os.path.isdir(os.path.join(ckpt_dir, tag)):
+                break
+            again = read_latest(ckpt_dir, CheckpointError)
+            if again == tag:
+                break
+            tag = again
     gen = os.path.join(ckpt_dir, tag)
 
     def where(what: str) -> str:
