@@ -39,13 +39,6 @@ def tiny_mixtral(seed: int, experts: int = 4) -> MixtralForCausalLM:
     return MixtralForCausalLM(mixtral_config(experts))
 
 
-def two_d_muon(name, param) -> bool:
-    """Muon for 2-D matrices by the default rule, AdamW for the rest (3-D expert stacks
-    included): these tests are about the format, whichever optimizer stepped the stacks."""
-    from offload_engine.optim import default_use_muon
-    return param.ndim == 2 and default_use_muon(name, param)
-
-
 def tokens(step: int, batch: int = 2, length: int = 12) -> torch.Tensor:
     """The step's token batch (the same on every rank)."""
     g = torch.Generator().manual_seed(500 + step)

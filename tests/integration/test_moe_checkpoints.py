@@ -4,8 +4,8 @@ resharded, consolidated to Hugging Face safetensors and loaded by ``from_pretrai
 Real processes (gloo, CPU). A tiny Qwen3-MoE (transformers 5.25, built in code: 5 experts
 fused as ``mlp.experts.gate_up_proj [5, 16, 16]`` and ``down_proj [5, 16, 8]``, top-2
 router) trains 3 steps at W=2, the expert stacks sharded by FSDP2 on the expert dimension
-(Shard(0): 3 + 2 experts); the stacks are on AdamW in these runs (``two_d_muon``: the
-test is about the format). The checkpoint loads at W=3 (2 + 2 + 1 experts), which saves
+(Shard(0): 3 + 2 experts) and stepped by Muon, one matrix per expert (ZeroMuon's default
+rule). The checkpoint loads at W=3 (2 + 2 + 1 experts), which saves
 again, and that one loads at W=1: every parameter and state equals the W=2 run's, bit
 for bit. Both checkpoints consolidate (config.json beside them: per-expert names) into
 safetensors that ``Qwen3MoeForCausalLM.from_pretrained`` loads with no key missing or left
@@ -26,15 +26,13 @@ from offload_engine.optim import ZeroMuon
 
 from helpers.checkpoint_runs import store
 from helpers.consolidate_outputs import load_output
-from helpers.moe_models import (assert_same_state, full_state, logits, tiny_qwen3_moe, tokens,
-                                two_d_muon)
+from helpers.moe_models import assert_same_state, full_state, logits, tiny_qwen3_moe, tokens
 from helpers.zero_muon_harness import spawn
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
-OPTIONS = dict(lr=0.02, weight_decay=0.1, adamw=dict(lr=3e-3, weight_decay=0.01),
-               use_muon_rule=two_d_muon)
+OPTIONS = dict(lr=0.02, weight_decay=0.1, adamw=dict(lr=3e-3, weight_decay=0.01))
 
 
 def sharded_model(mesh, seed: int):
