@@ -57,7 +57,9 @@ def prepare_staging(ckpt_dir: str, final: str, staging: str, step: int) -> BaseE
             return problem
     where = ("mkdir", ckpt_dir)
     try:
-        syscalls.makedirs(ckpt_dir, exist_ok=True)
+        # each folder made here has its parent fsynced: else a power cut after the commit
+        # could lose the checkpoint folder, latest and every generation with it
+        syscalls.makedirs(ckpt_dir, exist_ok=True, durable=True)
         if os.path.lexists(staging):
             where = ("remove", staging)
             syscalls.rmtree(staging)  # torn by an earlier crash: never loadable, safe to drop
@@ -191,16 +193,28 @@ def commit(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int) -> 
 
 
 def wait_for_commit(staging: str, final: str, world: int, timeout_s: float) -> None:
-    """Ranks other than 0: block until rank 0 committed ``final`` (rename is atomic, so
-    ``final`` exists exactly when it is committed) or a rank reported failure."""
+    """Ranks other than 0: block until rank 0 committed ``final`` and ``latest`` names it,
+    or a rank reported failure; then fsync the checkpoint folder. ``final`` exists as soon
+    as rank 0 renamed it, before the folder's fsync and before ``latest``: returning then
+    would report a save committed that a power cut could still take back (rank 0's own
+    fsync of the folder may not have happened yet; this one makes ``latest`` durable)."""
+    ckpt_dir, name = os.path.split(final)
     deadline = time.monotonic() + timeout_s
-    while not os.path.isdir(final):
+    while not (os.path.isdir(final) and _latest_is(ckpt_dir, name)):
         failure = _failure(staging, world)
         if failure:
             raise CheckpointError(failure)
         if time.monotonic() > deadline:
             raise CheckpointError(f"{final}: not committed by rank 0 within {timeout_s:.0f} s")
         time.sleep(POLL_S)
+    fsync_dir(ckpt_dir)
+
+
+def _latest_is(ckpt_dir: str, name: str) -> bool:
+    try:
+        return read_latest(ckpt_dir, CheckpointError) == name
+    except CheckpointError:
+        return False  # not written yet (or being replaced): asked again at the next poll
 
 
 def write_latest(ckpt_dir: str, name: str) -> None:
