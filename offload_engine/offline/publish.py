@@ -110,6 +110,7 @@ def publish(staging: str, out_dir: str, files: list[str], index: dict | None) ->
         # Transformers looks at model.safetensors first: as long as it is there, it is the
         # export. A sharded export commits by unlinking it.
         if index is not None and os.path.isfile(os.path.join(out_dir, SINGLE_FILE)):
+            step.sync()  # the index's entry on disk before the file that hides it goes
             step.unlink(SINGLE_FILE, commit=True)
         step.sync()
     except BaseException as e:
@@ -131,7 +132,8 @@ def _publish_shards(step: "_Steps", files: list[str], index: dict, in_use: set[s
         for name in files:
             step.move(name, name)
         step.stage_index(INDEX_FILE, index)
-        step.sync()
+        if not single_is_live:  # else the sync before model.safetensors goes orders them
+            step.sync()
         step.move(INDEX_FILE, INDEX_FILE, commit=not single_is_live)
         return list(files)
     tag = _fresh_tag(present)
