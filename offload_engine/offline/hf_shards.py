@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 
 from ..dtypes import DType
@@ -28,9 +27,7 @@ from ..formats.safetensors import INDEX_FILE, HeaderEntry, encode_header
 from ..units import parse_bytes
 from ..errors import InputError
 
-SINGLE_FILE = "model.safetensors"
-# what a previous export into the same folder may have left (removed before publishing)
-OUTPUT_FILE_PATTERN = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+SINGLE_FILE = "model.safetensors"  # the names an export may leave: publish.OUTPUT_FILE_PATTERN
 
 def parse_size(text: str | int) -> int:
     """A positive byte count: "5GB" (decimal, 5*10**9, as Hugging Face counts), "500MB",

@@ -206,3 +206,16 @@ def test_sigterm_cleans_up_and_exits_143(tmp_path, sources, at):
     found = read_export(out)
     assert same(found, OLD) or same(found, NEW)
     assert ours(out) in (_expected_names(3, count=6), _expected_names(2))
+
+
+def test_an_unreadable_index_counts_every_output_name_as_in_use(tmp_path, sources):
+    """An index that is not JSON: nothing of the folder is known to be garbage, so the new
+    shards go in under tagged names first; the run still ends with the plain names."""
+    old_src, new_src = sources
+    out = str(tmp_path / "out")
+    export(old_src, out, 2)
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        f.write("{not json")
+    export(new_src, out, 2)
+    assert same(read_export(out), NEW)
+    assert ours(out) == _expected_names(2)
