@@ -15,6 +15,14 @@ checkpoint name (global expert ids), what DeepSpeed itself holds: the fp32 maste
 (``safe_get_full_fp32_param``) and both Adam moments (the moment fragments summed over the
 parameter's own data-parallel group: the expert data-parallel group for experts), in
 ``expected.safetensors`` as ``<state>/<name>``, and the run's facts in ``run.json``.
+
+The ``zero3_autoep*`` runs use DeepSpeed's AutoEP instead (native MoE is refused under
+ZeRO-3): a tiny transformers Qwen3-MoE whose MoE blocks AutoEP replaces by grouped experts
+``experts.w1/w2/w3`` [experts on the rank, out, in], trained the same way at ZeRO-3; the
+expected tensors are the expert-parallel ranks' experts stacked by global id,
+[num_experts, out, in]. One DeepSpeed function is replaced for them (see
+``autoep_rank_main``): DeepSpeed 0.19.8's AutoEP fails at ``initialize`` against
+transformers 5.25 otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ RUNS = {
     "zero1_ep2_w2_fp32": (1, 2, 2, False),
     "zero2_ep2_w4_fp32": (2, 2, 4, False),
     "zero2_ep2_w2_bf16": (2, 2, 2, True),
+}
+AUTOEP_RUNS = {
+    # name: (expert-parallel size, world size): AutoEP on a tiny Qwen3-MoE, ZeRO-3, fp32
+    "zero3_autoep2_w2_fp32": (2, 2),
+    "zero3_autoep2_w4_fp32": (2, 4),
 }
 NUM_EXPERTS = 4
 VOCAB, DIM = 19, 8
@@ -176,6 +189,99 @@ def rank_main(name: str, out: str) -> None:
     dist.barrier()
 
 
+def build_qwen3_moe():
+    """A tiny transformers Qwen3-MoE (2 layers, each an MoE of 4 experts, top-2), built
+    from a config in code (no downloads)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=16, hidden_size=8, intermediate_size=12,
+                         moe_intermediate_size=4, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=4, num_experts=NUM_EXPERTS,
+                         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def autoep_rank_main(name: str, out: str) -> None:
+    """AutoEP (``expert_parallel`` in the config) replaces each Qwen3-MoE block by a layer
+    with grouped experts ``experts.w1/w2/w3`` [experts on this rank, out, in]; ZeRO-3
+    partitions them over the expert data-parallel group."""
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    # DeepSpeed 0.19.8's AutoEP preset re-registers transformers' output recorders with
+    # ``registry.get(key, default)``, which transformers 5.25's _CanRecordRegistry does not
+    # take (TypeError at initialize). The recorders only capture router logits for
+    # ``output_router_logits``; skipping them leaves training and the checkpoint unchanged.
+    import deepspeed.module_inject.auto_ep_presets.base as presets
+    presets._install_instance_transformers_output_recorders = lambda *a, **k: False
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    ep_size, world = AUTOEP_RUNS[name]
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_qwen3_moe()
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 9,
+           "expert_parallel": {"enabled": True, "autoep_size": ep_size,
+                               "preset_model": "qwen3_moe", "use_grouped_mm": False}}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.98), eps=1e-8,
+                            weight_decay=0.01)
+    eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    rank = dist.get_rank()
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 + 10 * step + rank)
+        x = torch.randint(0, 16, (1, 8), generator=g)
+        loss = eng(input_ids=x, labels=x).loss
+        eng.backward(loss)
+        eng.step()
+    eng.save_checkpoint(out, tag=TAG)
+
+    # each expert tensor's rows: this rank's experts (global ids), from its layer
+    first_expert = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, AutoEPMoELayer):
+            for w in ("w1", "w2", "w3"):
+                first_expert[f"{mname}.experts.{w}"] = module.ep_rank * module.num_local_experts
+    mine = {}
+    for pname, p in model.named_parameters():
+        values = {"master": safe_get_full_fp32_param(p).float().clone()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            values[key] = safe_get_full_optimizer_state(p, key).float().clone()
+        mine[pname] = (first_expert.get(pname), {k: v.numpy() for k, v in values.items()})
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        from safetensors.torch import save_file
+        merged = {}
+        for got in everyone:
+            for pname, (start, values) in got.items():
+                for key, v in values.items():
+                    t = torch.from_numpy(v)
+                    if start is None:  # a dense parameter: every rank holds it whole
+                        if f"{key}/{pname}" in merged and not torch.equal(merged[f"{key}/{pname}"], t):
+                            raise SystemExit(f"{key}/{pname}: ranks disagree on DeepSpeed's own value")
+                        merged[f"{key}/{pname}"] = t
+                    else:
+                        merged.setdefault(f"{key}/{pname}", {})[start] = t
+        for k, v in list(merged.items()):
+            if isinstance(v, dict):  # experts of every expert-parallel rank, in id order
+                merged[k] = torch.cat([v[s] for s in sorted(v)])
+        save_file({k: v.contiguous() for k, v in sorted(merged.items())},
+                  os.path.join(out, "expected.safetensors"), metadata={"format": "pt"})
+        facts = {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                 "zero_stage": 3, "ep_size": ep_size, "world_size": world, "bf16": False,
+                 "num_experts": NUM_EXPERTS, "config": cfg, "autoep": True}
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump(facts, f, indent=1, default=str)
+    dist.barrier()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,7 +291,7 @@ def free_port() -> int:
 def make(name: str) -> None:
     out = os.path.join(FIXTURES, name)
     shutil.rmtree(out, ignore_errors=True)
-    world = RUNS[name][2]
+    world = RUNS[name][2] if name in RUNS else AUTOEP_RUNS[name][1]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
                     f"--master_port={free_port()}", os.path.abspath(__file__), "--rank", name, out],
@@ -198,7 +304,7 @@ def make(name: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
-        rank_main(sys.argv[2], sys.argv[3])
+        (rank_main if sys.argv[2] in RUNS else autoep_rank_main)(sys.argv[2], sys.argv[3])
     else:
-        for run in sys.argv[1:] or list(RUNS):
+        for run in sys.argv[1:] or list(RUNS) + list(AUTOEP_RUNS):
             make(run)

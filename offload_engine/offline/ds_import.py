@@ -148,11 +148,11 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
                     "world_size": src.world_size, **run_state,
                     "param_groups": _param_groups(src.param_groups),
                     "disagreements": [asdict(d) for d in disagreements]}
-        if src.experts:  # DeepSpeed MoE: experts keep their per-expert names (global ids)
+        if src.experts:  # DeepSpeed MoE: experts keep DeepSpeed's names (docs/migrate.md)
             imported["experts"] = dict(src.experts)
             notes.append(f"mixture-of-experts: {len(src.experts)} MoE layer(s), "
-                         f"{sum(src.experts.values())} experts, imported under DeepSpeed's "
-                         f"per-expert names with global expert ids")
+                         f"{sum(src.experts.values())} experts, imported under DeepSpeed's names "
+                         f"(native MoE: one tensor per expert, global ids; AutoEP: grouped)")
 
         def read(plan: TensorPlan, key: str, lo: int, n: int):
             import torch

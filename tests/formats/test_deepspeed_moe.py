@@ -17,11 +17,11 @@ from offload_engine.consolidate import get_fp32_state_dict
 from offload_engine.formats import ReadRequest
 from offload_engine.formats.deepspeed import DeepSpeedLayoutError, DeepSpeedSource
 from offload_engine.formats.deepspeed.experts import ep_ranks
-from offload_engine.formats.deepspeed.partitions import Piece, zero12_replica_layout
+from offload_engine.formats.deepspeed.partitions import Piece, zero3_replica_layout, zero12_replica_layout
 
 from helpers import paths
 from helpers.deepspeed_checkpoints import copy_fixture
-from helpers.deepspeed_moe import EP2_W4, MOE, RUNS, expected
+from helpers.deepspeed_moe import AUTOEP, EP2_W4, MOE, NATIVE, RUNS, expected
 
 EXPERT = "moe{}.deepspeed_moe.experts.deepspeed_experts.{}.{}"
 
@@ -33,17 +33,23 @@ def consolidate_cli(args, capsys):
 
 def test_fixtures_cover_the_runs_asked_for():
     assert {"zero1_ep1_w2_fp32", "zero1_ep2_w2_fp32", "zero2_ep2_w2_fp32", "zero2_ep2_w4_fp32",
-            "zero2_ep2_w2_bf16"} <= set(RUNS)
+            "zero2_ep2_w2_bf16"} == set(NATIVE)
+    assert {"zero3_autoep2_w2_fp32", "zero3_autoep2_w4_fp32"} == set(AUTOEP)
+
+
+def buffers(run: str) -> set[str]:
+    return set() if run in AUTOEP else {"scale"}
 
 
 @pytest.mark.parametrize("run", RUNS)
 def test_reader_gives_deepspeeds_masters_and_moments_bitwise(run):
-    """Every parameter, experts of every expert-parallel rank included, under its global
-    expert id: master and both Adam moments equal DeepSpeed's own, bit for bit."""
+    """Every parameter, experts of every expert-parallel rank included (native MoE: one
+    tensor per expert under its global id; AutoEP: [experts, out, in] stacks): master and
+    both Adam moments equal DeepSpeed's own, bit for bit."""
     want = expected(run)
     with DeepSpeedSource(os.path.join(MOE, run)) as src:
         tensors = {t.name: t for t in src.tensors()}
-        assert set(tensors) == set(want["master"]) | {"scale"}
+        assert set(tensors) == set(want["master"]) | buffers(run)
         for state, values in want.items():
             for name, value in values.items():
                 meta = tensors[name]
@@ -54,6 +60,11 @@ def test_reader_gives_deepspeeds_masters_and_moments_bitwise(run):
                 assert torch.equal(buf.view(value.shape), value), (name, state)
                 assert meta.extra["adam_step"] == 2.0
         assert any("mixture-of-experts" in n for n in src.info.notes)
+        if run in AUTOEP:
+            assert tensors["model.layers.1.mlp.experts.w2"].shape == (4, 8, 4)
+            assert src.experts == {f"model.layers.{i}.mlp.experts": 4 for i in (0, 1)}
+            return
+        assert src.experts == {"moe0": 4, "moe1": 4}
         # experts listed by layer, then global expert id
         order = [t.name for t in src.tensors() if ".experts." in t.name]
         assert order[:6] == [EXPERT.format(0, e, p) for e in (0, 1)
@@ -69,7 +80,7 @@ def test_consolidate_equals_deepspeeds_fp32_weights(tmp_path, run, capsys):
     assert rc == 0
     got = load_file(os.path.join(out, "model.safetensors"))
     masters = expected(run)["master"]
-    assert set(got) == set(masters) | {"scale"}
+    assert set(got) == set(masters) | buffers(run)
     for name, value in masters.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], value), name
 
@@ -81,7 +92,7 @@ def test_python_api_consolidates_experts():
         assert torch.equal(state[name], value), name
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r.endswith("fp32")])
+@pytest.mark.parametrize("run", [r for r in NATIVE if r.endswith("fp32")])
 def test_expert_files_agree_with_the_partitions(run):
     """DeepSpeed's own per-expert files (global ids, written by the rank holding each
     expert) hold the weights the reader assembles from the optimizer partitions."""
@@ -111,6 +122,19 @@ def test_replica_layout_puts_each_experts_copy_on_its_ranks():
     assert layout["a"] == [Piece(0, 2, (0, 0), 0), Piece(2, 2, (1, 0), 0), Piece(4, 2, (2, 0), 0)]
     assert layout["e0"] == [Piece(0, 3, (0, 1), 0), Piece(3, 2, (2, 1), 0)]
     assert layout["e1"] == [Piece(0, 3, (1, 1), 0), Piece(3, 2, (3, 1), 0)]
+
+
+def test_zero3_replica_layout_gives_each_partition_group_its_copy():
+    """AutoEP at ep 2 x expert data-parallel 2: a dense sub-group over all 4 ranks, an
+    expert sub-group over ranks (0, 2) and (1, 3)."""
+    dense, experts = (0, 1, 2, 3), [(0, 2), (1, 3), (0, 2), (1, 3)]
+    partitions = [[(dense, r), (experts[r], r // 2)] for r in range(4)]
+    numels = [[2, 3]] * 4  # "d" (7 elements: 2 a rank, padded), then "e" (5: 3 a rank)
+    layout = zero3_replica_layout([("d", 7), ("e", 5)], numels, partitions)
+    assert list(layout["d"]) == [dense]
+    assert [p.count for p in layout["d"][dense]] == [2, 2, 2, 1]
+    assert layout["e"][(0, 2)] == [Piece(0, 3, (0, 1), 0), Piece(3, 2, (2, 1), 0)]
+    assert layout["e"][(1, 3)] == [Piece(0, 3, (1, 1), 0), Piece(3, 2, (3, 1), 0)]
 
 
 # -- bad input: one line naming the file, exit 2, nothing written --------------------------------
@@ -210,3 +234,45 @@ def test_expert_optimizer_files_without_zero_are_refused(tmp_path):
     open(os.path.join(ck, "global_step2", "expp_rank_0_mp_rank_00_optim_states.pt"), "wb").close()
     with pytest.raises(DeepSpeedLayoutError, match="expp_rank"):
         DeepSpeedSource(ck)
+
+
+# -- AutoEP (ZeRO-3): the per-rank model states must agree -------------------------------------
+AUTOEP_W4 = os.path.join(MOE, "zero3_autoep2_w4_fp32")
+
+
+def _edit_autoep_layers(ck, rank, **values):
+    path = os.path.join(ck, "global_step2", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    state = torch.load(path, weights_only=True)
+    for layer in state["ds_autoep_layers"]:
+        layer.update(values)
+    torch.save(state, path)
+    return path
+
+
+def test_autoep_expert_counts_that_differ_between_rank_files(tmp_path, capsys):
+    ck = copy_fixture(AUTOEP_W4, tmp_path)
+    _edit_autoep_layers(ck, 1, num_experts=8)
+    tag = os.path.join(ck, "global_step2")
+    _refused(ck, tmp_path, capsys, os.path.join(tag, "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+             os.path.join(tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+             "model.layers.0.mlp.experts.w1", "expert counts differ")
+
+
+def test_autoep_ranks_of_one_partition_group_disagree_on_their_experts(tmp_path, capsys):
+    ck = copy_fixture(AUTOEP_W4, tmp_path)
+    _edit_autoep_layers(ck, 3, global_expert_start=0)  # rank 3 shares rank 1's experts 2-3
+    _refused(ck, tmp_path, capsys, "zero_pp_rank_3_mp_rank_00_model_states.pt", "experts from 0",
+             "same partition group")
+
+
+def test_autoep_experts_no_rank_holds(tmp_path, capsys):
+    ck = copy_fixture(AUTOEP_W4, tmp_path)
+    for rank in range(4):
+        _edit_autoep_layers(ck, rank, num_experts=6)
+    _refused(ck, tmp_path, capsys, "model.layers.0.mlp.experts.w1", "experts 4..5 of 6")
+
+
+def test_autoep_other_expert_state_formats_are_refused(tmp_path, capsys):
+    ck = copy_fixture(AUTOEP_W4, tmp_path)
+    path = _edit_autoep_layers(ck, 0, checkpoint_format="per_expert_files")
+    _refused(ck, tmp_path, capsys, path, "zero3_partitioned")

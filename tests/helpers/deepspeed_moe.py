@@ -10,6 +10,9 @@ from helpers.paths import FIXTURES
 
 MOE = os.path.join(FIXTURES, "deepspeed_moe")
 RUNS = sorted(d for d in os.listdir(MOE) if os.path.isdir(os.path.join(MOE, d)))
+# deepspeed.moe.layer.MoE under ZeRO-1/2 (per-expert files); AutoEP under ZeRO-3 (grouped)
+NATIVE = [r for r in RUNS if "autoep" not in r]
+AUTOEP = [r for r in RUNS if "autoep" in r]
 EP2_W4 = os.path.join(MOE, "zero2_ep2_w4_fp32")  # expert-parallel 2 x expert data-parallel 2
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from offload_engine.cli.main import main
 from offload_engine.formats.ours import OursSource
 from offload_engine.migrate import from_deepspeed, imported_state, use_muon_rule
-from helpers.deepspeed_moe import EP2_W4, MOE, RUNS, expected
+from helpers.deepspeed_moe import AUTOEP, EP2_W4, MOE, RUNS, expected
 from helpers.zero_muon_harness import spawn
 
 
@@ -38,12 +38,13 @@ def test_imported_experts_hold_deepspeeds_masters_and_moments(tmp_path, run, wor
     want = expected(run)
     summary = from_deepspeed(os.path.join(MOE, run), str(tmp_path), world, window_bytes=64)
     assert any("mixture-of-experts" in n for n in summary.notes)
-    assert imported_state(str(tmp_path))["experts"] == {"moe0": 4, "moe1": 4}
+    assert imported_state(str(tmp_path))["experts"] == (
+        {f"model.layers.{i}.mlp.experts": 4 for i in (0, 1)} if run in AUTOEP else {"moe0": 4, "moe1": 4})
     bf16 = run.endswith("bf16")
     with OursSource.open_checkpoint(str(tmp_path)) as src:
         assert src.manifest.world_size == world and src.manifest.step == 2
         tensors = {t.name: t for t in src.tensors()}
-        assert set(tensors) == set(want["master"]) | {"scale"}
+        assert set(tensors) == set(want["master"]) | (set() if run in AUTOEP else {"scale"})
         for name, master in want["master"].items():
             meta = tensors[name]
             assert meta.optimizer == "adamw" and meta.extra.get("adam_step", 2.0) == 2.0
@@ -57,7 +58,7 @@ def test_imported_experts_hold_deepspeeds_masters_and_moments(tmp_path, run, wor
                 assert torch.equal(got.view(master.shape), want[key][name]), (name, key)
 
 
-@pytest.mark.parametrize("run", ["zero2_ep2_w4_fp32", "zero2_ep2_w2_bf16"])
+@pytest.mark.parametrize("run", ["zero2_ep2_w4_fp32", "zero2_ep2_w2_bf16", "zero3_autoep2_w4_fp32"])
 def test_imported_checkpoint_consolidates_to_deepspeeds_weights(tmp_path, capsys, run):
     ckpt, out = str(tmp_path / "ck"), str(tmp_path / "out")
     rc, err = run_cli(capsys, "import", "deepspeed", os.path.join(MOE, run), ckpt, "--world-size", "2")
@@ -89,37 +90,20 @@ def test_bad_moe_checkpoint_is_refused_and_nothing_written(tmp_path, capsys):
 
 
 # -- resuming with ZeroMuon in real processes -----------------------------------------------------
-class Expert(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(8, hidden)
-        self.w2 = nn.Linear(hidden, 8, bias=False)
-
-
-class MoELayer(nn.Module):
-    """DeepSpeed MoE's parameter names (``deepspeed_moe.gate.wg``, ``deepspeed_moe.experts.
-    deepspeed_experts.<e>``) for 4 experts, built without deepspeed."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.deepspeed_moe = nn.Module()
-        self.deepspeed_moe.gate = nn.Module()
-        self.deepspeed_moe.gate.wg = nn.Linear(8, 4, bias=False)
-        self.deepspeed_moe.experts = nn.Module()
-        self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(Expert(hidden) for _ in range(4))
-
-
-class TinyMoE(nn.Module):
-    """The fixtures' model (tools/make_deepspeed_moe_fixtures.py) at expert-parallel size 1."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(19, 8)
-        self.moe0 = MoELayer(12)
-        self.norm = nn.LayerNorm(8)
-        self.moe1 = MoELayer(6)
-        self.head = nn.Linear(8, 19, bias=False)
-        self.register_buffer("scale", torch.zeros(8))
+def model_named_like(tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A module tree holding a zero parameter under each dotted name of ``tensors`` (DeepSpeed
+    MoE's ``moe0.deepspeed_moe.experts.deepspeed_experts.3.w1.weight``, AutoEP's grouped
+    ``model.layers.0.mlp.experts.w1``), built without deepspeed."""
+    root = nn.Module()
+    for name, value in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.zeros_like(value)))
+    return root
 
 
 def _local(t):
@@ -138,7 +122,9 @@ def _resume(rank, world, mesh, ckpt, run):
     from offload_engine.optim import ZeroMuon
 
     want = expected(run)
-    model = TinyMoE()
+    model = model_named_like(want["master"])
+    if run not in AUTOEP:
+        model.register_buffer("scale", torch.zeros(8))  # the native runs' float buffer
     fully_shard(model, mesh=mesh)
     named = dict(model.named_parameters())
     assert set(named) == set(want["master"])
@@ -146,6 +132,8 @@ def _resume(rank, world, mesh, ckpt, run):
                                                        weight_decay=0.01),
                    use_muon_rule=use_muon_rule(ckpt))
     assert load_checkpoint(ckpt, model, opt) == 2
+    if run not in AUTOEP:
+        assert torch.equal(model.scale, torch.linspace(0.5, 1.5, 8))
     index = {i.name: i.index for i in opt.infos}
     assert all(i.kind == "adamw" for i in opt.infos)  # the run's choice, experts included
     sd = opt.state_dict()["state"]
@@ -175,11 +163,12 @@ def _resume(rank, world, mesh, ckpt, run):
 
 
 @pytest.mark.multiprocess
-def test_imported_moe_run_resumes_bitwise(tmp_path):
-    """Imported from an expert-parallel run (ep 2 x dp 2) at W=2 under FSDP2: ZeroMuon loads
-    DeepSpeed's masters and moments into a model with DeepSpeed MoE's parameter names, and
+@pytest.mark.parametrize("run", ["zero2_ep2_w4_fp32", "zero3_autoep2_w4_fp32"])
+def test_imported_moe_run_resumes_bitwise(tmp_path, run):
+    """Imported from an expert-parallel run (ep 2 x expert data-parallel 2; native MoE's
+    per-expert tensors, AutoEP's grouped [4, out, in] stacks) at W=2 under FSDP2: ZeroMuon
+    loads DeepSpeed's masters and moments into a model with DeepSpeed's parameter names, and
     its next step equals torch.optim.AdamW's from that state, bit for bit."""
     ckpt = str(tmp_path / "ck")
-    run = "zero2_ep2_w4_fp32"
     from_deepspeed(os.path.join(MOE, run), ckpt, 2)
     spawn(2, _resume, ckpt, run)

@@ -164,7 +164,7 @@ def zero12_momentum_layout(layout: dict[str, list[Piece]]) -> tuple[dict[str, li
 
 def zero3_layout(params: Sequence[tuple[str, int]],
                  group_numels: Sequence[Sequence[int]]) -> dict[str, list[Piece]]:
-    """ZeRO-3 trainable parameters.
+    """ZeRO-3 trainable parameters, every sub-group partitioned over all ranks.
 
     Args:
         params: [(name, numel)] in merged ``param_shapes`` order (all sub-groups).
@@ -172,29 +172,70 @@ def zero3_layout(params: Sequence[tuple[str, int]],
 
     Source keys are ``(rank, sub-group)``.
     """
+    every = tuple(range(len(group_numels)))
+    partitions = [[(every, r)] * len(group_numels[r]) for r in every]
+    return {name: copies[every] for name, copies in
+            zero3_replica_layout(params, group_numels, partitions).items()}
+
+
+def zero3_replica_layout(params: Sequence[tuple[str, int]], group_numels: Sequence[Sequence[int]],
+                         partitions: Sequence[Sequence[tuple[tuple[int, ...], int]]]
+                         ) -> dict[str, dict[tuple[int, ...], list[Piece]]]:
+    """ZeRO-3 trainable parameters whose sub-groups may be partitioned over a subset of
+    the ranks (DeepSpeed AutoEP: an expert sub-group over an expert data-parallel group,
+    so each group of ranks holds its own copy: its experts).
+
+    A parameter of sub-group g is partitioned on its own over that sub-group's ``P``
+    ranks, ``ceil(numel / P)`` elements each; a rank's flat buffer is its sub-groups
+    concatenated, so a parameter sits at the same offset on every rank. Sub-groups are
+    filled in parameter order (rank 0's sizes say where one ends).
+
+    Args:
+        params: [(name, numel)] in merged ``param_shapes`` order (all sub-groups).
+        group_numels: ``[rank][sub-group]`` numel of ``fp32_flat_groups``.
+        partitions: ``[rank][sub-group]`` (the ranks partitioning it, in partition order;
+            this rank's index among them).
+
+    Returns ``{name: {ranks: [Piece]}}``, one entry per group of ranks holding a copy;
+    source keys are ``(rank, sub-group)``.
+    """
     world_size = len(group_numels)
     parts_by_rank = [[((r, g), n) for g, n in enumerate(group_numels[r])] for r in range(world_size)]
-    out: dict[str, list[Piece]] = {}
+    out: dict[str, dict[tuple[int, ...], list[Piece]]] = {}
     offset = 0  # same on every rank
+    g, g_start, last = 0, 0, len(group_numels[0]) - 1 if group_numels else 0
     for name, numel in params:
-        per_rank = math.ceil(numel / world_size)
-        pieces = []
+        while g < last and offset - g_start >= group_numels[0][g]:
+            g_start += group_numels[0][g]
+            g += 1
+        sizes = {len(partitions[r][g][0]) for r in range(world_size)}
+        if len(sizes) != 1:
+            raise PartitionError(f"sub-group {g} is partitioned over {sorted(sizes)} ranks on "
+                                 f"different ranks ({name})")
+        per_rank = math.ceil(numel / sizes.pop())
+        copies: dict[tuple[int, ...], list[Piece]] = {}
         for r in range(world_size):
-            lo, hi = r * per_rank, min(numel, (r + 1) * per_rank)
+            ranks, index = partitions[r][g]
+            lo, hi = index * per_rank, min(numel, (index + 1) * per_rank)
+            pieces = copies.setdefault(tuple(ranks), [])
             if lo >= hi:
                 continue  # this rank holds only padding of this parameter
             try:
                 runs = concat_pieces(offset, hi - lo, parts_by_rank[r])
             except PartitionError:
                 raise PartitionError(f"rank {r}: {name} needs flat elements up to {offset + hi - lo}, but "
-                                  f"its fp32 groups hold {sum(group_numels[r])}") from None
+                                     f"its fp32 groups hold {sum(group_numels[r])}") from None
             pieces += [Piece(lo + p.start, p.count, p.src, p.src_offset) for p in runs]
-        out[name] = pieces
+        for ranks, pieces in copies.items():
+            if sum(p.count for p in pieces) != numel:
+                raise PartitionError(f"{name}: ranks {list(ranks)} hold {sum(p.count for p in pieces)} "
+                                     f"of its {numel} elements (partition groups do not match)")
+        out[name] = copies
         offset += per_rank
     for r in range(world_size):
         if offset != sum(group_numels[r]):
             raise PartitionError(f"rank {r}: parameters consume {offset} elements of each rank's flat "
-                              f"buffer but its fp32 groups hold {sum(group_numels[r])}")
+                                 f"buffer but its fp32 groups hold {sum(group_numels[r])}")
     return out
 
 

@@ -39,8 +39,9 @@ from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt, sh
 from ..source import ReadRequest, TensorSource, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
 from .experts import ExpertLayout, expert_layout, find_expert_files
-from .partitions import (Piece, PartitionError, fragments_layout, zero3_layout, zero12_momentum_layout,
-                         zero12_replica_layout)
+from .autoep import assemble_experts, autoep_experts, zero3_partitions
+from .partitions import (Piece, PartitionError, fragments_layout, zero3_replica_layout,
+                         zero12_momentum_layout, zero12_replica_layout)
 from .scatter_read import ScatterReader, Segment, segment_wants
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -226,11 +227,12 @@ class DeepSpeedSource(TensorSource):
         # the engine's own progress, as saved (plain values: the LR scheduler's state_dict)
         self.run_state = {k: model0.get(k) for k in ("global_steps", "global_samples",
                                                      "skipped_steps", "lr_scheduler")}
-        if model0.get("ds_autoep_layers") or model0.get("autoep_layers"):
+        if self.stage <= 2 and (model0.get("ds_autoep_layers") or model0.get("autoep_layers")):
             # expert parameters are partitioned over expert groups, not the data-parallel
             # world: merging them like the rest would give wrong tensors
             raise DeepSpeedLayoutError(f"{self._models[0].path}: expert-parallel (AutoEP) "
-                                       f"checkpoints are not supported")
+                                       f"checkpoints under ZeRO-{self.stage} are not supported, "
+                                       f"only under ZeRO-3")
 
         self._tensors: list[TensorMeta] = []
         # (tensor, state) -> (segments sorted by start, bytes per element)
@@ -381,8 +383,17 @@ class DeepSpeedSource(TensorSource):
                 if find_expert_files(self.tag_dir):
                     raise DeepSpeedLayoutError(f"{self.tag_dir}: per-expert files in a ZeRO-3 checkpoint; "
                                                f"DeepSpeed's native MoE does not run under ZeRO-3")
-                layout = zero3_layout([p for g in params for p in g],
-                                      [[ref.numel for ref in lst] for lst in masters])
+                numels = [[ref.numel for ref in lst] for lst in masters]
+                copies = zero3_replica_layout([p for g in params for p in g], numels,
+                                              zero3_partitions(self._optims, osds, [len(n) for n in numels]))
+                layout = {}
+                for name, held in copies.items():  # AutoEP experts: one copy per partition group
+                    shapes[name], layout[name] = assemble_experts(name, shapes[name], held, self._models)
+                self.experts = autoep_experts(self._models[0])
+                if self.experts:
+                    self._notes.append("AutoEP mixture-of-experts: " + ", ".join(
+                        f"{p} {n} experts" for p, n in self.experts.items())
+                        + "; grouped [experts, out, in] under DeepSpeed's names")
         except PartitionError as e:
             raise DeepSpeedLayoutError(f"{self.tag_dir}: ZeRO-{self.stage} partitions do not match the "
                                        f"parameter shapes: {e}") from None
