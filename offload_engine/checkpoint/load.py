@@ -15,6 +15,8 @@ extra state and RNG states by ``training_state.py``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .. import dtypes
@@ -72,8 +74,9 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module | None = None, optimiz
     try:
         # every rank checks the metadata files it reads; rank 0 checks all of them (one
         # reader: a damaged byte anywhere stops the load, and the tables are read once)
-        with OursSource.open_checkpoint(gen, window_bytes=WINDOW_BYTES, depth=2, io_threads=4,
-                                        verify_all_metadata=rank == 0) as src:
+        with OursSource(gen, "checkpoint", generation=os.path.basename(os.path.normpath(gen)),
+                        window_bytes=WINDOW_BYTES, depth=2, io_threads=4,
+                        verify_all_metadata=rank == 0) as src:
             return _restore(src, model, opt, rank, extra, rng, strict)
     except (OffloadEngineError, OSError) as e:  # a keep_last racing this read: say so
         removed = was_removed(gen, e)

@@ -6,6 +6,7 @@ killed with SIGKILL) a new run saves there without any manual step."""
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import queue
@@ -147,3 +148,44 @@ def test_second_training_is_refused_and_the_first_generations_survive(tmp_path, 
     loads_bit_exact(ck, tmp_path, None, 5)
     assert sorted(p for p in os.listdir(ck) if p.startswith("step-")) == \
         ["step-00000003", "step-00000004", "step-00000005"]
+
+
+def save_at_w2(rank, world, mesh, tmp):
+    """Both ranks of one job save into ``ok`` (rank 0 holds it, rank 1 is not refused), then
+    into ``held``, which another job's rank 0 holds: every rank is refused, naming it."""
+    import torch.distributed as dist
+    from offload_engine.checkpoint import CheckpointLockedError, save_checkpoint
+    from helpers.checkpoint_runs import mixed_model
+    model, _, opt, _ = mixed_model(mesh, 0, os.path.join(tmp, f"state{rank}"))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for step in (1, 2):
+        save_checkpoint(os.path.join(tmp, "ok"), model, opt, step)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    with open(os.path.join(tmp, "ok", WRITER_LOCK)) as f:
+        assert f"{pids[0]}" in f.read()  # the job's rank 0 holds it for every rank
+    try:
+        save_checkpoint(os.path.join(tmp, "held"), model, opt, 3)
+    except CheckpointLockedError as e:
+        assert "process 4242 on 'node7'" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rank}: a folder held by another job was saved into")
+    opt.close()
+
+
+@pytest.mark.multiprocess
+def test_the_ranks_of_one_job_share_the_lock_and_another_job_is_refused_on_every_rank(tmp_path):
+    from helpers.zero_muon_harness import spawn
+    held = tmp_path / "held"
+    held.mkdir()
+    fd = os.open(held / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # the other job's rank 0
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, b'{"pid": 4242, "host": "node7", "since": "2026-12-04 01:02:03 UTC"}')
+        spawn(2, save_at_w2, str(tmp_path))
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(held)) == [WRITER_LOCK]  # nothing written by the refused job
+    assert os.path.basename(resolve(str(tmp_path / "ok"))) == "step-00000002"
