@@ -209,6 +209,26 @@ def test_expert_file_of_another_expert(tmp_path, capsys):
     _refused(ck, tmp_path, capsys, wrong, EXPERT.format(0, 1, "w1.weight"), "missing")
 
 
+class _Touch:
+    """What a malicious pickle would like to run: ``touch marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_expert_file_runs_no_code(tmp_path, capsys):
+    """Expert files go through the same restricted unpickler as the rank files."""
+    ck = copy_fixture(EP2_W4, tmp_path)
+    marker = tmp_path / "marker"
+    path = os.path.join(ck, "global_step2", "layer_1_expert_3_mp_rank_00_model_states.pt")
+    torch.save({EXPERT.format(1, 3, "w1.weight"): _Touch(str(marker))}, path)
+    _refused(ck, tmp_path, capsys, path, "refusing to load", "posix.system")
+    assert not marker.exists()
+
+
 def test_refusal_leaves_an_existing_out_untouched(tmp_path, capsys):
     ck = copy_fixture(EP2_W4, tmp_path)
     os.remove(os.path.join(ck, "global_step2", "layer_0_expert_0_mp_rank_00_model_states.pt"))
