@@ -33,6 +33,7 @@ SHAPES = {"w_mat": (16, 8), "w_odd": (5, 7), "norm_weight": (8,), "lm_head": (4,
 CKPT = os.path.join("ckpt", "run")   # under the traced root; the first save makes both levels
 SAVES = 3
 KEEP_LAST = 2
+COMMIT_PAUSE_S = 0.5   # rank 0, between the commit rename and latest (polls take 0.05 s)
 
 # fsyncs on the save path that no power cut needs: their files are gone before the commit
 # (written with the project's one durable writer, write_text_atomic, which always fsyncs)
@@ -52,7 +53,7 @@ def run_saves(tmp: str, rank: int, world: int, mesh, mode: str) -> None:
                    store=store(os.path.join(tmp, f"store-{mode}-{rank}")))
     root = os.path.join(tmp, "disk")
     ckpt = os.path.join(root, CKPT)
-    with FsTrace(root, os.path.join(tmp, f"trace-{mode}.log")) as trace:
+    with FsTrace(root, os.path.join(tmp, f"trace-{mode}.log"), pause_after_commit) as trace:
         for step in range(1, SAVES + 1):
             set_grads(model, ref, step, rank, world)
             opt.step()
@@ -65,6 +66,14 @@ def run_saves(tmp: str, rank: int, world: int, mesh, mode: str) -> None:
                 pending.wait()
             trace.mark("committed", generation=generation_name(step), rank=rank)
     opt.close()
+
+
+def pause_after_commit(line: dict) -> float:
+    """Rank 0 waits a little after each commit rename, before ``latest``: a rank that took
+    the renamed folder for the commit would return, and be marked, in that window."""
+    committing = line["op"] == "rename" and os.path.dirname(line["dst"]) == CKPT \
+        and not line["dst"].endswith((".deleting", ".partial")) and ".superseded-" not in line["dst"]
+    return COMMIT_PAUSE_S if committing else 0.0
 
 
 def _ranks(rank, world, mesh, tmp, mode):

@@ -22,6 +22,7 @@ import os
 import stat
 import sys
 import threading
+import time
 
 from offload_engine.io import syscalls
 from offload_engine.io.syscalls import _missing_dirs  # what makedirs will create
@@ -31,7 +32,10 @@ SITE_FRAMES = 12           # engine frames kept per call
 
 
 class FsTrace:
-    def __init__(self, root: str, log: str):
+    def __init__(self, root: str, log: str, pause_after=None):
+        """``pause_after(line) -> seconds``: sleep that long after the call of ``line``
+        (outside the lock), to let other processes run into a window the call opens."""
+        self.pause_after = pause_after
         self.root = os.path.abspath(root)
         self._prefix = os.path.join(self.root, "")
         self._fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -58,6 +62,7 @@ class FsTrace:
         if rel is None and rel_dst is None:
             return fn(*args)
         site = _site()
+        pause = 0.0
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
@@ -68,9 +73,12 @@ class FsTrace:
                                         args):
                     line["site"] = site
                     self._write(line)
-                return result
+                    pause += self.pause_after(line) if self.pause_after else 0.0
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if pause:
+            time.sleep(pause)
+        return result
 
     def _lines(self, op, rel, rel_dst, fd, data, result, missing, existed, args):
         if rel is None or (op == "rename" and rel_dst is None):
