@@ -40,10 +40,13 @@ RUNS = {
     # name: (ZeRO stage, expert-parallel size, world size, bf16)
     "zero1_ep1_w2_fp32": (1, 1, 2, False),
     "zero2_ep2_w2_fp32": (2, 2, 2, False),
-    "zero1_ep2_w2_fp32": (1, 2, 2, False),
     "zero2_ep2_w4_fp32": (2, 2, 4, False),
+    "zero2_ep2_w4_fp32_datafirst": (2, 2, 4, False),
     "zero2_ep2_w2_bf16": (2, 2, 2, True),
 }
+# runs with ``use_data_before_expert_parallelism``: expert data-parallel groups of
+# consecutive ranks (ranks 0-1 hold experts 0-1, ranks 2-3 experts 2-3)
+DATA_FIRST = {"zero2_ep2_w4_fp32_datafirst"}
 AUTOEP_RUNS = {
     # name: (expert-parallel size, world size): AutoEP on a tiny Qwen3-MoE, ZeRO-3, fp32
     "zero3_autoep2_w2_fp32": (2, 2),
@@ -127,6 +130,8 @@ def rank_main(name: str, out: str) -> None:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9}
+    if name in DATA_FIRST:
+        cfg["use_data_before_expert_parallelism"] = True
     if bf16:
         cfg["bf16"] = {"enabled": True}
     groups_in = [{"params": [p for p in model.parameters()], "name": "all", "weight_decay": 0.01}]

@@ -32,8 +32,8 @@ def consolidate_cli(args, capsys):
 
 
 def test_fixtures_cover_the_runs_asked_for():
-    assert {"zero1_ep1_w2_fp32", "zero1_ep2_w2_fp32", "zero2_ep2_w2_fp32", "zero2_ep2_w4_fp32",
-            "zero2_ep2_w2_bf16"} == set(NATIVE)
+    assert {"zero1_ep1_w2_fp32", "zero2_ep2_w2_fp32", "zero2_ep2_w4_fp32",
+            "zero2_ep2_w4_fp32_datafirst", "zero2_ep2_w2_bf16"} == set(NATIVE)
     assert {"zero3_autoep2_w2_fp32", "zero3_autoep2_w4_fp32"} == set(AUTOEP)
 
 
@@ -105,6 +105,17 @@ def test_expert_files_agree_with_the_partitions(run):
                 assert torch.equal(value, masters[key]), (name, key)
                 seen += 1
     assert seen == 2 * 4 * 3
+
+
+def test_data_first_groups_follow_the_config():
+    """``use_data_before_expert_parallelism`` puts experts 0-1 on ranks 0-1: read as the
+    default grouping (ranks 0 and 2), half the expert tensors come out wrong."""
+    run = "zero2_ep2_w4_fp32_datafirst"
+    path = os.path.join(MOE, run, "global_step2", "mp_rank_00_model_states.pt")
+    assert torch.load(path, weights_only=True)["ds_config"]["use_data_before_expert_parallelism"]
+    masters = expected(run)["master"]
+    state = get_fp32_state_dict(os.path.join(MOE, run))
+    assert all(torch.equal(state[n], v) for n, v in masters.items())
 
 
 def test_expert_parallel_ranks():
