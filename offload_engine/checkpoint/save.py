@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dtypes
+from ..io.errors import FileIOError
 from ..layout import create_group
 from ..layout.checkpoint_names import generation_dir_name, staging_path
 from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, box_shard_entry,
@@ -41,12 +42,12 @@ from .buffers import snapshot_buffers
 from .checkpoint_dir import (commit, prepare_staging, report_done, report_failed, wait_for_commit,
                              wait_for_ranks)
 from .model_tensors import frozen_parameters, frozen_rows, local_rows, row_block, tied_aliases
-from .pending import PendingCheckpoint, finish_previous, guard
+from .pending import PENDING_ATTR, PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
 from .retention import apply_retention, check_keep_last
 from ..formats.errors import CheckpointSaveError
 from .shared_dir import check_shared, write_marker
-from .writer_lock import hold_for, track_staging
+from .writer_lock import StagingClaim, hold_for
 from .supported import check_optimizer
 from ..store.geometry import elems_per_bucket
 from ..units import MiB
@@ -115,13 +116,13 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     name = generation_dir_name(step, tag)
     final = os.path.join(ckpt_dir, name)
     staging = staging_path(final)
-    problem = token = lock = None
+    problem = token = claim = None
     if rank == 0:
         lock, problem = _writer_lock(ckpt_dir, opt)
         if problem is None:
             problem = prepare_staging(ckpt_dir, final, staging, step)
         if problem is None:
-            track_staging(lock, staging, True)  # retention never sweeps it
+            claim, problem = _claim(lock, staging)
         if problem is None and coll:
             try:
                 token = write_marker(staging)
@@ -137,7 +138,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
         if coll:  # a folder other nodes do not see would be a save that never commits
             check_shared(ckpt_dir, staging, token, rank, world)
     except BaseException:
-        _ended(lock, staging)
+        _ended(claim)
         raise
 
     pending = PendingCheckpoint(final, step)
@@ -161,27 +162,32 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
             raise
     except BaseException as e:
         report_failed(staging, rank, e)  # so that rank 0 does not wait for this rank
-        _ended(lock, staging)
+        _ended(claim)
         raise CheckpointSaveError.wrap(e, final, rank)
 
     def body() -> None:
         try:
             _write_rank(pending, writer, snap, staging, rank, adam_steps, t0)
             if rank == 0:
-                _commit_as_rank0(ckpt_dir, staging, final, attrs, world, commit_timeout_s)
+                _commit_as_rank0(ckpt_dir, staging, final, attrs, world, commit_timeout_s, claim)
                 if keep_last is not None:
-                    apply_retention(ckpt_dir, keep_last, name, lock)
+                    apply_retention(ckpt_dir, keep_last, name, claim.lock)
             else:
                 wait_for_commit(staging, final, world, commit_timeout_s)
         except BaseException as e:  # an I/O error says which generation and rank
             raise CheckpointSaveError.wrap(e, final, rank)
         finally:
-            _ended(lock, staging)
+            _ended(claim)
 
+    # the snapshot runs: from here on, Ctrl-C must not leave the save with nobody to finish
+    # it. No call before these two statements: whoever waits for the save next runs the
+    # body if its thread never starts (pending.py)
+    pending._body = body
+    setattr(opt, PENDING_ATTR, pending)
     try:
         guard(opt, pending)
-    finally:  # the snapshot runs: Ctrl-C here must not leave it with nobody to finish the save
-        pending._run(body)
+    finally:
+        pending._run()
     pending.stats["call_s"] = time.perf_counter() - t0
     return pending
 
@@ -195,10 +201,19 @@ def _writer_lock(ckpt_dir: str, opt):
         return None, e
 
 
-def _ended(lock, staging: str) -> None:
-    """Rank 0: the save into ``staging`` is no longer in flight (committed or failed)."""
-    if lock is not None:
-        track_staging(lock, staging, False)
+def _claim(lock, staging: str):
+    """Rank 0: ``(StagingClaim, None)`` on the staging folder just made, or ``(None,
+    error)``."""
+    try:
+        return StagingClaim(lock, staging), None
+    except OSError as e:
+        return None, FileIOError(e.errno, "open", staging)
+
+
+def _ended(claim) -> None:
+    """Rank 0: the save is no longer in flight (committed or failed)."""
+    if claim is not None:
+        claim.release()
 
 
 def _write_rank(pending: PendingCheckpoint, writer: RankWriter, snap, staging: str, rank: int,
@@ -231,10 +246,14 @@ def _write_rank(pending: PendingCheckpoint, writer: RankWriter, snap, staging: s
 
 
 def _commit_as_rank0(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int,
-                     timeout_s: float) -> None:
-    """Background, rank 0: merge every rank's report into the manifest and commit."""
+                     timeout_s: float, claim: StagingClaim | None = None) -> None:
+    """Background, rank 0: merge every rank's report into the manifest and commit;
+    ``claim``: checked first to still hold the folder this save made (one someone replaced
+    meanwhile holds what this save never wrote)."""
     try:
         summaries = wait_for_ranks(staging, world, timeout_s)
+        if claim is not None:
+            claim.check()
         attrs["arrays"] = {k: v for g in summaries for k, v in g["arrays"].items()}
         attrs["checksums"] = {k: v for g in summaries for k, v in g["checksums"].items()}
         attrs[METADATA_KEY] = {k: v for g in summaries for k, v in g[METADATA_KEY].items()}

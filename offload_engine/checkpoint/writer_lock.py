@@ -215,10 +215,42 @@ def describe_holder(fd: int, path: str) -> str:
     return _describe_holder(fd)
 
 
-def track_staging(lock: WriterLock, staging: str, busy: bool) -> None:
-    """Mark ``staging`` as a save of this process in flight (``busy``) or ended."""
-    with _registry_lock:
-        (lock.staging.add if busy else lock.staging.discard)(staging)
+
+class StagingClaim:
+    """A save's hold on its staging folder: listed as in flight (retention never sweeps
+    it) and kept open, so that the commit can tell whether the folder under that name is
+    still the one this save made (an open folder's inode number is never reused).
+    ``release`` when the save ends, however it ends."""
+
+    def __init__(self, lock: WriterLock, staging: str):
+        self.lock = lock
+        self.staging = staging
+        self.fd = syscalls.open_fd(staging, os.O_RDONLY | os.O_DIRECTORY | syscalls.CLOEXEC)
+        with _registry_lock:
+            lock.staging.add(staging)
+
+    def check(self) -> None:
+        """CheckpointError unless the folder is still the one this save made: a writer
+        that removed and made it again (one without the lock: a file system that cannot
+        lock, a job whose rank 0 died while its other ranks wrote on) has put its own files
+        there, and committing them would pass another run's weights off as this one's."""
+        try:
+            now = os.lstat(self.staging)
+        except OSError:
+            now = None
+        made = os.fstat(self.fd)
+        if now is None or (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino):
+            how = "removed" if now is None else "replaced"
+            raise CheckpointError(f"{self.staging}: the staging folder was {how} by another "
+                                  f"writer while this save wrote into it; not committed (save "
+                                  f"again: a checkpoint folder takes one writer at a time)")
+
+    def release(self) -> None:
+        with _registry_lock:
+            self.lock.staging.discard(self.staging)
+            fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def in_flight(lock: WriterLock) -> set[str]:

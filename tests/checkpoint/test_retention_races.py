@@ -24,8 +24,8 @@ import torch
 from offload_engine.checkpoint import (CheckpointError, GenerationRemovedError, load_checkpoint,
                                        save_checkpoint)
 from offload_engine.checkpoint.retention import apply_retention, sweep_stale_staging
-from offload_engine.checkpoint.writer_lock import (CheckpointLockedError, WriterLock, hold_for,
-                                                   track_staging)
+from offload_engine.checkpoint.writer_lock import (CheckpointLockedError, StagingClaim,
+                                                   WriterLock, hold_for)
 from offload_engine.formats.ours import OursSource
 from offload_engine.formats.ours import checkpoint_listing
 from offload_engine.layout.checkpoint_names import WRITER_LOCK
@@ -117,9 +117,11 @@ def test_the_sweep_keeps_saves_in_flight_and_needs_the_lock(tmp_path):
         os.makedirs(os.path.join(ck, name))
     os.symlink(str(tmp_path), os.path.join(ck, "link.partial"))  # never followed
     assert sweep_stale_staging(ck, WriterLock(ck, None)) == []  # no lock: a live writer's?
-    track_staging(lock, os.path.join(ck, "step-00000003.partial"), True)
+    claim = StagingClaim(lock, os.path.join(ck, "step-00000003.partial"))  # a save in flight
     assert sweep_stale_staging(ck, lock) == ["step-00000004.partial"]
     assert sorted(os.listdir(ck)) == [WRITER_LOCK, "link.partial", "step-00000003.partial"]
+    claim.release()
+    assert sweep_stale_staging(ck, lock) == ["step-00000003.partial"]
     assert os.listdir(tmp_path)  # the link's target is untouched
 
 

@@ -189,3 +189,34 @@ def test_the_ranks_of_one_job_share_the_lock_and_another_job_is_refused_on_every
         os.close(fd)
     assert sorted(os.listdir(held)) == [WRITER_LOCK]  # nothing written by the refused job
     assert os.path.basename(resolve(str(tmp_path / "ok"))) == "step-00000002"
+
+
+def test_a_staging_folder_replaced_by_another_writer_is_never_committed(tmp_path, monkeypatch):
+    """Where no lock guards the folder (a file system that cannot lock), a second writer's
+    clean-up may remove this save's ``.partial`` and make its own: the commit sees that the
+    folder is no longer the one it made and refuses, instead of committing the other
+    writer's files as this generation."""
+    from offload_engine.checkpoint import CheckpointError, save_checkpoint
+    from offload_engine.checkpoint import save as save_module
+    from helpers.forged import train
+    ck = str(tmp_path / "ck")
+    model, opt = fresh_model(str(tmp_path / "state"))
+    train(model, opt, [1])
+    save_checkpoint(ck, model, opt, 1)
+    real = save_module.wait_for_ranks
+
+    def other_writer_meanwhile(staging, world, timeout_s):
+        summaries = real(staging, world, timeout_s)
+        import shutil
+        shutil.rmtree(staging)                               # its prepare_staging
+        os.makedirs(os.path.join(staging, "rank0"))          # and its own save, done
+        with open(os.path.join(staging, "rank0", ".done.json"), "w") as f:
+            f.write("{}")
+        return summaries
+    monkeypatch.setattr(save_module, "wait_for_ranks", other_writer_meanwhile)
+    train(model, opt, [2])
+    with pytest.raises(CheckpointError, match="replaced by another writer.*not committed"):
+        save_checkpoint(ck, model, opt, 2)
+    opt.close()
+    assert os.path.basename(resolve(ck)) == "step-00000001"
+    assert not os.path.exists(os.path.join(ck, "step-00000002"))
