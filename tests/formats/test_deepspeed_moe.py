@@ -201,6 +201,13 @@ def test_expert_count_differs_from_the_partitions(tmp_path, capsys):
     _refused(ck, tmp_path, capsys, path, "expert counts differ", "'moe0'")
 
 
+def test_absurd_expert_count_is_refused_at_once(tmp_path, capsys):
+    """A count from a hostile file is compared, never enumerated."""
+    ck = copy_fixture(EP2_W4, tmp_path)
+    path = _rewrite_model_states(ck, lambda s: s.__setitem__("num_experts", [2 ** 62, 4]))
+    _refused(ck, tmp_path, capsys, path, "expert counts differ", "experts 0..1 per rank")
+
+
 def test_expert_file_with_other_shapes(tmp_path, capsys):
     ck = copy_fixture(EP2_W4, tmp_path)
     path = os.path.join(ck, "global_step2", "layer_0_expert_1_mp_rank_00_model_states.pt")
@@ -301,6 +308,13 @@ def test_autoep_experts_no_rank_holds(tmp_path, capsys):
     for rank in range(4):
         _edit_autoep_layers(ck, rank, num_experts=6)
     _refused(ck, tmp_path, capsys, "model.layers.0.mlp.experts.w1", "experts 4..5 of 6")
+
+
+def test_autoep_absurd_expert_count_is_refused_at_once(tmp_path, capsys):
+    ck = copy_fixture(AUTOEP_W4, tmp_path)
+    for rank in range(4):
+        _edit_autoep_layers(ck, rank, num_experts=2 ** 62)
+    _refused(ck, tmp_path, capsys, "model.layers.0.mlp.experts.w1", f"experts 4..5 of {2 ** 62}")
 
 
 def test_autoep_other_expert_state_formats_are_refused(tmp_path, capsys):
