@@ -177,6 +177,16 @@ def test_missing_moe_layer(tmp_path, capsys):
              "2 MoE layers")
 
 
+def test_every_expert_file_missing(tmp_path, capsys):
+    ck = copy_fixture(EP2_W4, tmp_path)
+    tag = os.path.join(ck, "global_step2")
+    for name in os.listdir(tag):
+        if name.startswith("layer_"):
+            os.remove(os.path.join(tag, name))
+    _refused(ck, tmp_path, capsys, os.path.join(tag, "mp_rank_00_model_states.pt"),
+             "2 MoE layers", "hold 0")
+
+
 def test_extra_expert_file(tmp_path, capsys):
     ck = copy_fixture(EP2_W4, tmp_path)
     tag = os.path.join(ck, "global_step2")

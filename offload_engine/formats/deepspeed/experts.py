@@ -160,8 +160,8 @@ def expert_layout(tag_dir: str, model: PtFile, group_names: list[list[str]],
     prefixes = _layer_prefixes(files, tag_dir)
     if len(prefixes) != len(counts):
         raise DeepSpeedLayoutError(f"{model.path}: 'num_experts' lists {len(counts)} MoE layers "
-                                   f"but the expert files hold {len(prefixes)} (layer_0.. "
-                                   f"layer_{len(prefixes) - 1})")
+                                   f"but the expert files (layer_<L>_expert_<E>_...) hold "
+                                   f"{len(prefixes)}")
     count_of = dict(zip(prefixes, counts))
     replicas = []
     for g, names in enumerate(group_names):
