@@ -17,7 +17,7 @@ import time
 from ..units import format_bytes
 from ..errors import InputError
 
-PRESET_NAMES = ("medium", "small", "tiny")  # offload_engine.demo.model.PRESETS
+PRESET_NAMES = ("medium", "moe", "small", "tiny")  # offload_engine.demo.model.PRESETS
 
 
 def add_parser(subparsers):
@@ -28,7 +28,9 @@ def add_parser(subparsers):
     p.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     p.add_argument("--model", choices=PRESET_NAMES, default="small",
-                   help="model size (default small: about 11 M parameters)")
+                   help="model size (default small: about 11 M parameters); moe: a tiny "
+                        "mixture of experts (4 experts per layer, top-2 router, grouped expert "
+                        "stacks on Muon, one matrix per expert)")
     p.add_argument("--store", default=None, metavar="DIR",
                    help="directory for optimizer state and checkpoints (default: a temporary "
                         "folder under the current directory, removed at the end)")
@@ -39,15 +41,20 @@ def add_parser(subparsers):
     return p
 
 
-def _split(model) -> tuple[int, int, int, int]:
-    from ..optim.param_rules import default_use_muon
-    muon = adamw = n_muon = n_adamw = 0
+def _split(model) -> tuple[int, int, int, int, int]:
+    """(Muon elements, Muon matrices, AdamW elements, AdamW tensors, expert matrices): a
+    stack of expert matrices counts one matrix per expert."""
+    from ..optim.param_rules import default_use_muon, is_expert_stack
+    muon = adamw = n_muon = n_adamw = n_experts = 0
     for name, p in model.named_parameters():
         if default_use_muon(name, p):
-            muon, n_muon = muon + p.numel(), n_muon + 1
+            stack = is_expert_stack(name, p.ndim)
+            mats = p.shape[0] if stack else 1
+            muon, n_muon = muon + p.numel(), n_muon + mats
+            n_experts += mats if stack else 0
         else:
             adamw, n_adamw = adamw + p.numel(), n_adamw + 1
-    return muon, n_muon, adamw, n_adamw
+    return muon, n_muon, adamw, n_adamw, n_experts
 
 
 def _row(rec: dict) -> str:
@@ -90,12 +97,13 @@ def run(args) -> int:
     save_at = args.steps // 2
     crash_at = min(args.steps - 1, save_at + max(1, args.steps // 6))
     model = build_model(args.model)
-    muon, n_muon, adamw, n_adamw = _split(model)
+    muon, n_muon, adamw, n_adamw, n_experts = _split(model)
     state_bytes = 4 * muon + 8 * adamw
+    experts = f", {n_experts} of them experts" if n_experts else ""
     print(f"offload-engine demo: FSDP2 + ZeroMuon, {args.world_size} processes "
           f"({'nccl' if _cuda() else 'gloo, CPU'}), model {args.model!r}: "
           f"{count_parameters(model) / 1e6:.1f} M parameters ({muon / 1e6:.1f} M in {n_muon} "
-          f"matrices on Muon, {adamw / 1e6:.2f} M in {n_adamw} tensors on AdamW).")
+          f"matrices on Muon{experts}, {adamw / 1e6:.2f} M in {n_adamw} tensors on AdamW).")
     print(f"Optimizer state: {format_bytes(state_bytes)} (momentum + Adam moments), home tier "
           f"NVMe under {base}, streamed through a 16 MiB pinned pool per rank.\n")
     common = dict(model=args.model, world_size=args.world_size, steps=args.steps,

@@ -2,7 +2,10 @@
 
 Sized by ``ModelConfig``; the "small" preset has about 11 M parameters, enough to show
 every part of the engine (Muon matrices, AdamW embeddings/norms/biases, a tied-free output
-head) in a few minutes on two CPU cores.
+head) in a few minutes on two CPU cores. The "moe" preset replaces each MLP with a
+mixture of experts (``MoEFeedForward``): a top-2 token-choice router and grouped SwiGLU
+experts stored as torchtitan stores them, ``experts.w1/w3 [E, F, D]`` and
+``experts.w2 [E, D, F]``, so ZeroMuon orthogonalizes each expert as its own matrix.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class ModelConfig:
     d_ff: int = 1536
     max_seq_len: int = 128
     dropout: float = 0.0    # after attention and MLP, in training (draws from torch's RNG)
+    n_experts: int = 0      # > 0: each MLP is a mixture of this many experts of width d_ff
+    top_k: int = 2          # experts each token is routed to
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -32,7 +37,51 @@ PRESETS = {
     "tiny": ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=32),
     "small": ModelConfig(),
     "medium": ModelConfig(d_model=640, n_layers=8, n_heads=10, d_ff=2560),
+    "moe": ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, d_ff=96,
+                       max_seq_len=64, n_experts=4, top_k=2),
 }
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as three stacks, one matrix per expert on dim 0 (torchtitan's layout)."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        for w, fan_in in ((self.w1, d_model), (self.w2, d_ff), (self.w3, d_model)):
+            nn.init.normal_(w, std=fan_in ** -0.5)
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e`` on tokens ``x`` [n, d_model]."""
+        return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k token-choice routing: each token goes to the k experts its router scores
+    highest, weighted by their softmax scores renormalized over the k. Experts run one after
+    another on the tokens routed to them (an expert no token chose does no work and gets a
+    zero gradient)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)   # the router
+        self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = self.gate(x).softmax(dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.experts.w1.shape[0]):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                y = self.experts(x[token], e) * weights[token, slot, None]
+                out = out.index_add(0, token, y)
+        return out.reshape(shape)
 
 
 class Block(nn.Module):
@@ -43,8 +92,11 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.mlp_norm = nn.RMSNorm(cfg.d_model)
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=True)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=True)
+        if cfg.n_experts:
+            self.moe = MoEFeedForward(cfg)
+        else:
+            self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=True)
+            self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=True)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +106,9 @@ class Block(nn.Module):
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.down(F.gelu(self.up(self.mlp_norm(x)))))
+        h = self.mlp_norm(x)
+        mlp = self.moe(h) if hasattr(self, "moe") else self.down(F.gelu(self.up(h)))
+        return x + self.drop(mlp)
 
 
 class TinyLM(nn.Module):
