@@ -12,15 +12,15 @@ use this package): functions that hand out tensors import it, and ``as_byte_view
 from __future__ import annotations
 
 import mmap
-import os
 import sys
 
+from ..envflags import env_flag
 from ..units import MiB, PAGE
 from ..errors import InputError
 
 ALIGN = PAGE  # bytes: O_DIRECT alignment of addresses, offsets and lengths
 HUGE_PAGE = 2 * MiB  # bytes: an x86-64 / arm64 (4 KiB granule) transparent huge page
-HUGE_PAGES_ENV = "OFFLOAD_ENGINE_HUGE_PAGES"  # "0": host buffers of ordinary pages only
+HUGE_PAGES_ENV = "OFFLOAD_ENGINE_HUGE_PAGES"  # off: host buffers of ordinary pages only
 
 
 def round_up(nbytes: int, align: int = ALIGN) -> int:
@@ -59,9 +59,9 @@ def aligned_host_region(nbytes: int) -> mmap.mmap:
 
 def huge_pages_wanted() -> bool:
     """Whether host buffers ask for transparent huge pages: yes unless
-    ``OFFLOAD_ENGINE_HUGE_PAGES=0`` (to measure without them, or where a site's kernel
-    policy asks for it)."""
-    return os.environ.get(HUGE_PAGES_ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    ``OFFLOAD_ENGINE_HUGE_PAGES`` is 0/false/no/off (to measure without them, or where a
+    site's kernel policy asks for it); another spelling is refused (``envflags``)."""
+    return env_flag(HUGE_PAGES_ENV, True) and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def aligned_host_buffer(nbytes: int):

@@ -25,24 +25,31 @@ import logging
 import os
 import re
 import shutil
+import stat
 import statistics
 import tempfile
 import threading
 import time
 import uuid
 
+from ..envflags import env_flag
+from ..errors import InputError
+from ..jsonlimits import file_kind, parse_json
 from ..units import MiB
 from . import syscalls
 from .align import ALIGN
 from .errors import FileIOError
+from .profile_check import FORMAT, check_profile
 from .settings import DEFAULT, DIRECTIONS, DirectionSettings
 
 log = logging.getLogger(__name__)
 
-FORMAT = "offload-engine-io-profile"
+
 FORMAT_VERSION = 2  # 2: points and choices have "streams" (a version-1 profile is probed again)
 PROFILE_DIR_ENV = "OFFLOAD_ENGINE_PROFILE_DIR"
-PROBE_ENV = "OFFLOAD_ENGINE_IO_PROBE"  # "0": never probe (cached profile or built-in default)
+PROBE_ENV = "OFFLOAD_ENGINE_IO_PROBE"  # 0/false/no/off: never probe (cache or built-in default)
+MAX_CACHE_BYTES = 1 * MiB  # a probe writes ~10 KB
+MAX_CACHE_DEPTH = 8  # a probe's profile nests 3 deep
 PROBE_BYTES = 256 * MiB  # bytes moved per case and direction
 REQUEST_BYTES = 32 * MiB  # bytes per request, all submitted at once (as the store's read-ahead)
 # (mode, queue depth, block size, streams): the points `bench disk` found to matter on our
@@ -130,23 +137,38 @@ def profile_file(path: str) -> str:
 
 # -- the cache ---------------------------------------------------------------------------
 def load(path: str) -> dict | None:
-    """The cached profile for ``path``, or None (none, unreadable, or another format:
-    ignored, never trusted)."""
+    """The cached profile for ``path``, or None: none there, or one that is unreadable, of
+    another format, or breaks a rule of ``check_profile`` (not a regular file, over
+    ``MAX_CACHE_BYTES``, not strict JSON, nested, wrong types, values out of range). A bad
+    cache is ignored with a warning naming it (and probed again, or the defaults used),
+    never trusted and never a crash: anyone who can write the cache folder wrote it."""
     try:
         file = profile_file(path)
-        doc = json.loads(syscalls.read_all(file, limit=1 << 20))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or \
-            doc.get("format_version") != FORMAT_VERSION:
-        return None
+        mode = os.stat(file).st_mode
+    except OSError:
+        return None  # no cache entry (or no folder): nothing to warn about
     try:
-        for op in DIRECTIONS:
-            settings_of(doc, op)
-    except (KeyError, TypeError, ValueError):
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{file}: is {file_kind(mode)}, not a regular file")
+        raw = syscalls.read_all(file, limit=MAX_CACHE_BYTES, flags=os.O_NONBLOCK)
+        if len(raw) > MAX_CACHE_BYTES:
+            raise InputError(f"{file}: more than {MAX_CACHE_BYTES} bytes")
+        doc = parse_json(raw, file, max_depth=MAX_CACHE_DEPTH)
+        if isinstance(doc, dict) and doc.get("format") == FORMAT and \
+                doc.get("format_version") != FORMAT_VERSION:
+            return None  # an older version's profile: probed again, as documented
+        check_profile(doc, file)
+    except (OSError, ValueError) as e:
+        log.warning("ignoring a bad I/O profile cache entry (probed again, or the defaults "
+                    "used): %s", _short(e))
         return None
     doc["file"] = file
     return doc
+
+
+def _short(e: Exception) -> str:
+    text = str(e)
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def save(path: str, profile: dict) -> str:
@@ -184,12 +206,13 @@ def choose(path: str, *, refresh: bool = False, probe_allowed: bool | None = Non
 
     The cached one; else (or with ``refresh``) a new probe, saved to the cache (when the
     cache cannot be written, kept for this process only); else, when probing is turned
-    off (``probe_allowed`` False, default: ``OFFLOAD_ENGINE_IO_PROBE`` is not "0") or
+    off (``probe_allowed`` False, default: ``OFFLOAD_ENGINE_IO_PROBE`` is not an "off"
+    spelling, ``envflags.parse_flag``) or
     fails, the built-in default. The result has "read" and "write" settings and "source":
     "cache", "probe" or "default".
     """
     if probe_allowed is None:
-        probe_allowed = os.environ.get(PROBE_ENV, "1") != "0"
+        probe_allowed = env_flag(PROBE_ENV, True)
     try:
         key = _key_name(profile_key(path))
     except OSError:
