@@ -2,8 +2,10 @@
 config and ZeroMuon's arguments, with every key reported as mapped (and how) or ignored
 (and why). The rules: ``plan/deepspeed_config.py`` and docs/migrate.md.
 
-Exit codes: 0 translated; 2 bad input (unreadable JSON, a translation that is not a valid
-store config, e.g. NVMe offload without nvme_path), printed as one line.
+Exit codes: 0 translated; 2 bad input (not strict JSON, over the size or nesting limits, not
+a regular file, a key of the wrong type or range, a translation that is not a valid store
+config, e.g. NVMe offload without nvme_path), printed as one line. Everything written is
+strict JSON (no NaN); keys are printed with control characters escaped.
 """
 
 from __future__ import annotations
@@ -42,13 +44,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _json(data) -> str:
+    """Strict JSON (a non-finite number raises rather than being written as NaN)."""
+    return json.dumps(data, indent=2, allow_nan=False)
+
+
+def _printable(key: str) -> str:
+    """``key`` as it is when printable, else JSON-escaped: a key's bytes never reach the
+    terminal as control sequences."""
+    return key if key.isprintable() else json.dumps(key)[1:-1]
+
+
 def _write_json(path: str, data: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise InputError(f"{path}: the folder {directory} does not exist")
     with replacing(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
+            f.write(_json(data) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -60,12 +73,12 @@ def run(args: argparse.Namespace) -> int:
     if args.optimizer_out:
         _write_json(args.optimizer_out, result.optimizer)
     if args.json:
-        print(json.dumps(result.as_json(), indent=2))
+        print(_json(result.as_json()))
         return 0
-    width = max((len(r.key) for r in result.report), default=0)
+    width = max((len(_printable(r.key)) for r in result.report), default=0)
     for r in result.report:
         what = (f"mapped -> {r.target}: " if r.status == "mapped" else "ignored: ") + r.rule
-        head = f"{r.key:<{width}}  {json.dumps(r.value)}"
+        head = f"{_printable(r.key):<{width}}  {json.dumps(r.value, allow_nan=False)}"
         print(head)
         print(textwrap.fill(what, 88, initial_indent="    ", subsequent_indent="    "))
     mapped = sum(r.status == "mapped" for r in result.report)
@@ -73,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     for w in result.warnings:
         print(f"warning: {w}")
     print("\nstore config" + (f" (written to {args.out})" if args.out else "") + ":")
-    print(json.dumps(result.store, indent=2))
+    print(_json(result.store))
     print("\nZeroMuon arguments" + (f" (written to {args.optimizer_out})"
                                      if args.optimizer_out else "") + ":")
-    print(json.dumps(result.optimizer, indent=2))
+    print(_json(result.optimizer))
     return 0

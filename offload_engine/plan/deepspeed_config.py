@@ -13,14 +13,17 @@ config format, restated here as the keys we read.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 from dataclasses import asdict, dataclass, field
 
 from ..store.config import StoreConfig, default
-from ..units import PAGE, format_bytes
+from ..units import MiB, PAGE, format_bytes
 from ..errors import InputError
+from ..jsonlimits import read_json_file
+from .deepspeed_keys import check_keys
 
+# Bytes of a DeepSpeed config read: real ones are 1-10 KB; a config is read whole.
+MAX_CONFIG_BYTES = 1 * MiB
 NVME_SUBDIR = "offload-engine"     # our group beside DeepSpeed's zero_stage_3/ swap folders
 # Buckets a ZeroMuon step holds at once with state on NVMe: 2 to 6 for the layouts we know
 # (optim/pool_budget.working_buckets); ZeroMuon refuses a smaller pool by name.
@@ -82,8 +85,8 @@ def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
 class _Builder:
     """Collects our values and the report while the rules run."""
 
-    def __init__(self, ds: dict):
-        self.keys = leaves(ds)
+    def __init__(self, ds: dict, source: str):
+        self.keys = check_keys(ds, leaves(ds), source)
         self.store: dict = {}
         self.optimizer: dict = {}
         self.adamw: dict = {}
@@ -113,12 +116,13 @@ class _Builder:
 
 
 def translate(ds: dict, source: str = "DeepSpeed config") -> Translation:
-    """Translate DeepSpeed config ``ds`` (the parsed JSON). Raises ValueError naming
-    ``source`` when the result is not a valid store config (e.g. NVMe offload without
-    ``nvme_path``) or the input is not a JSON object."""
+    """Translate DeepSpeed config ``ds`` (the parsed JSON). Raises ``InputError`` naming
+    ``source`` when the input is not a JSON object, a key the rules read has a value of the
+    wrong type or range (``deepspeed_keys.check_keys``, naming the key), or the result is
+    not a valid store config (e.g. NVMe offload without ``nvme_path``)."""
     if not isinstance(ds, dict):
         raise InputError(f"{source}: a DeepSpeed config is a JSON object, got {type(ds).__name__}")
-    b = _Builder(ds)
+    b = _Builder(ds, source)
     _rule_offload_optimizer(b)
     _rule_aio(b)
     _rule_muon_momentum(b)
@@ -340,10 +344,8 @@ def _rule_rest(b: _Builder) -> None:
 
 
 def load(path: str) -> Translation:
-    """Read and translate the DeepSpeed JSON config at ``path``; errors name the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            ds = json.load(f)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON: {e}") from None
+    """Read and translate the DeepSpeed JSON config at ``path``: strict JSON of at most
+    ``MAX_CONFIG_BYTES`` from a regular file (``jsonlimits.read_json_file``); errors name
+    the file (and the key)."""
+    ds = read_json_file(path, MAX_CONFIG_BYTES, what="DeepSpeed config")
     return translate(ds, source=path)
