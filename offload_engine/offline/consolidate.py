@@ -252,6 +252,9 @@ def consolidate(source: TensorSource, out_dir: str, *, max_shard_bytes: int = 5 
         depth: windows filled ahead of the one being written.
         progress: called as ``progress(bytes_written, bytes_to_write)``, counting every
             byte of the files (headers included).
+
+    Raises ``OutputLockedError`` (nothing written) when another run is writing into
+    ``out_dir``. Whatever happens, ``out_dir`` holds one whole export (``publish``).
     """
     plans, index, infos = plan_output(source, max_shard_bytes, dtype, exclude_frozen)
     check = getattr(source, "check_readable", None)  # any object with tensors/read serves
