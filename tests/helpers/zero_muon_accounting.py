@@ -1,8 +1,11 @@
 """What a ZeroMuon step may move, checked from inside a rank: no collective but all_to_all_single
-runs in a step, and the store reads and writes each bucket once per step."""
+runs in a step, the store reads and writes each bucket once per step, and the all_to_all
+bytes of one step from every rank's box (gathered with torch's own placement arithmetic,
+not the optimizer's) and the owners (``expected_bytes``)."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from helpers.zero_muon_harness import set_grads
@@ -58,3 +61,68 @@ def check_store_pass(opt, model, ref, rank, world, steps=5):
         assert written == total, (step, written, total)
         assert read == total - cached, (step, read, total, cached)
     assert cached_seen, "the test should cache part of the state, not all or none"
+
+
+def gathered_boxes(model) -> dict[str, list]:
+    """Parameter name -> every rank's box ((offset, end) as torch places it)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    mine = {}
+    for n, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            shape, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            mine[n] = (tuple(off), tuple(off[i] + shape[i] for i in range(len(shape))))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n: [every[r][n] for r in range(len(every))] for n in mine}
+
+
+def numel(box) -> int:
+    lo, hi = box
+    return int(torch.tensor([h - l for l, h in zip(lo, hi)]).prod())
+
+
+def matrix_boxes(info, bx: list, e: int) -> list:
+    """Every rank's box of matrix ``e`` of ``info``: the box itself for a 2-D parameter, its
+    (rows, cols) part for expert ``e`` of a 3-D stack (empty where the rank holds none)."""
+    if len(info.shape) != 3:
+        return bx
+    return [((lo[1], lo[2]), (hi[1], hi[2])) if lo[0] <= e < hi[0] and numel((lo, hi))
+            else ((0, 0), (0, 0)) for lo, hi in bx]
+
+
+def expected_bytes(opt, boxes: dict[str, list], rank: int) -> tuple[int, int]:
+    """(sent, received) bytes of one step of ``rank``, from the boxes and the owners: a rank
+    sends its box of U for each matrix whose box it is the source of (the owner if it holds
+    that box, else the holder in the owner's replica) and, as an owner, every other holder's
+    box of O; it receives the pieces of the matrices it owns and its box of O of every other
+    matrix. An expert one rank holds whole and alone moves nothing. bf16: 2 bytes."""
+    sent = received = 0
+    for info in opt.infos:
+        if info.kind != "muon" or info.name not in boxes:
+            continue
+        stacked = len(info.shape) == 3
+        for e in range(info.shape[0] if stacked else 1):
+            bx = matrix_boxes(info, boxes[info.name], e)
+            full = ((0, 0), tuple(info.shape[-2:]))
+            holding = [b for b in bx if numel(b)]
+            if stacked and len(holding) == 1 and holding[0] == full:
+                continue                                        # kept where it is
+            owner = opt.matrix_owner[(info.index, e)]
+            k = sum(1 for g in range(owner) if bx[g] == bx[owner])      # the owner's replica index
+            holders: dict = {}
+            for g, b in enumerate(bx):
+                if numel(b):
+                    holders.setdefault(b, []).append(g)
+            # an owner with an empty box: its replica from its position (ranks replica by replica)
+            source = {b: owner if owner in hs else
+                      hs[k % len(hs)] if numel(bx[owner]) else hs[owner * len(hs) // len(bx)]
+                      for b, hs in holders.items()}
+            mine = numel(bx[rank])
+            if owner == rank:
+                received += sum(numel(b) for b, s in source.items() if s != rank)
+                sent += sum(numel(b) for g, b in enumerate(bx) if g != rank)
+            else:
+                sent += mine if mine and source[bx[rank]] == rank else 0
+                received += mine
+    return 2 * sent, 2 * received

@@ -92,7 +92,9 @@ class SliceReference:
     """torch.optim.Muon with each expert slice of every 3-D Muon parameter as its own 2-D
     parameter, plus torch.optim.AdamW for the rest, on the unsharded twin ``ref``."""
 
-    def __init__(self, ref: nn.Module, muon_kw: dict, adamw_kw: dict, rule=default_use_muon):
+    def __init__(self, ref: nn.Module, muon_kw: dict, adamw_kw: dict, rule=None):
+        # the models here have no 3-D parameter but expert stacks: Muon, whatever the rule says
+        rule = rule or (lambda n, p: p.ndim == 3 or default_use_muon(n, p))
         self.ref = ref
         self.stacks: dict[str, tuple[nn.Parameter, list[nn.Parameter]]] = {}
         muon, adamw = [], []
@@ -168,3 +170,42 @@ def check_parity(opt, model, sref: SliceReference, where: str, masters: bool = F
             w = v if k == "step" else want(v, p)
             if not torch.equal(mine(h, p), w):
                 raise AssertionError(f"{where}: state {k} of {name} differs")
+
+
+# -- placements ----------------------------------------------------------------------------------
+class ExpertBag(nn.Module):
+    """Parameters only: ``experts.<name>`` stacks ([E, out, in]) and ``dense.<name>`` others,
+    for the placement tests, which set gradients directly (``harness.set_grads``)."""
+
+    def __init__(self, experts: dict, dense: dict, seed: int = 0):
+        super().__init__()
+        from helpers.zero_muon_harness import Bag
+        self.dense = Bag(dense, seed)
+        self.experts = Bag(experts, seed + 1)
+
+
+def odd_shapes(experts: int, scale: int = 1) -> tuple[dict, dict]:
+    """(expert stacks, dense parameters): stacks whose rows (2, 1) are fewer than the ranks,
+    a router, an uneven matrix, AdamW parameters; ``scale`` multiplies the other dims."""
+    s = scale
+    return ({"w1": (experts, 6 * s, 8 * s), "w2": (experts, 8 * s, 6 * s),
+             "w_short": (experts, 2, 9 * s), "w_row": (experts, 1, 5 * s)},
+            {"embed_tokens": (11, 8 * s), "gate": (experts, 8 * s), "w": (7, 8 * s),
+             "norm": (8 * s,), "lm_head": (11, 8 * s)})
+
+
+def even_shapes(experts: int) -> tuple[dict, dict]:
+    """(expert stacks, dense matrices) that split evenly on 2 and 4 ranks, and whose owners
+    do too (4 dense matrices)."""
+    return ({"w1": (experts, 8, 8), "w2": (experts, 8, 8)}, {f"w{i}": (8, 8) for i in range(4)})
+
+
+def distribute_(module: nn.Module, mesh, placements, names=None) -> None:
+    """Replace ``module``'s own parameters (those in ``names``, default all) by DTensors on
+    ``mesh`` with ``placements`` (a dict name -> placements, or one for all)."""
+    from torch.distributed.tensor import distribute_tensor
+    for n, p in list(module.named_parameters(recurse=False)):
+        if names is not None and n not in names:
+            continue
+        pl = placements[n] if isinstance(placements, dict) else placements
+        module.register_parameter(n, nn.Parameter(distribute_tensor(p.detach(), mesh, pl)))

@@ -27,58 +27,13 @@ import torch.distributed as dist
 from torch import nn
 
 from offload_engine.optim import ZeroMuon
-from helpers.zero_muon_accounting import forbid_other_collectives, check_store_pass
+from helpers.zero_muon_accounting import (check_store_pass, expected_bytes, forbid_other_collectives,
+                                         gathered_boxes)
 from helpers.zero_muon_harness import Bag, set_grads, spawn, spawn_mesh
 from helpers.zero_muon_meshes import fsdp_tp, hsdp, tp
 
 pytestmark = pytest.mark.multiprocess
 KiB = 4096
-
-
-def gathered_boxes(model) -> dict[str, list]:
-    """Parameter name -> every rank's box ((offset, shape) as torch places it)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    mine = {}
-    for n, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            shape, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            mine[n] = (tuple(off), tuple(off[i] + shape[i] for i in range(len(shape))))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return {n: [every[r][n] for r in range(len(every))] for n in mine}
-
-
-def numel(box) -> int:
-    lo, hi = box
-    return int(torch.tensor([h - l for l, h in zip(lo, hi)]).prod())
-
-
-def expected_bytes(opt, boxes: dict[str, list], rank: int) -> tuple[int, int]:
-    """(sent, received) bytes of one step of ``rank``, from the boxes and the owners."""
-    sent = received = 0
-    for info in opt.infos:
-        if info.kind != "muon" or info.name not in boxes:
-            continue
-        bx = boxes[info.name]
-        owner = opt.owner[info.index]
-        k = sum(1 for g in range(owner) if bx[g] == bx[owner])      # the owner's replica index
-        holders: dict = {}
-        for g, b in enumerate(bx):
-            if numel(b):
-                holders.setdefault(b, []).append(g)
-        # an owner with an empty box: its replica from its position (ranks replica by replica)
-        source = {b: owner if owner in hs else
-                  hs[k % len(hs)] if numel(bx[owner]) else hs[owner * len(hs) // len(bx)]
-                  for b, hs in holders.items()}
-        mine = numel(bx[rank])
-        if owner == rank:
-            received += sum(numel(b) for b, s in source.items() if s != rank)
-            sent += sum(numel(b) for g, b in enumerate(bx) if g != rank)
-        else:
-            sent += mine if mine and source[bx[rank]] == rank else 0
-            received += mine
-    return 2 * sent, 2 * received
 
 
 def check_step_counters(rank, world, model, ref, tmp, even_s=None):
