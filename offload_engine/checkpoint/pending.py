@@ -29,6 +29,10 @@ class PendingCheckpoint:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._t0 = time.perf_counter()
+        # the save's work (save.py sets it); taken once, by its thread or by the first waiter
+        # when Ctrl-C kept that thread from starting: a waiter never waits for nobody
+        self._body = None
+        self._claim = threading.Lock()
 
     def done(self) -> bool:
         """Whether the save ended (committed or failed); never blocks."""
@@ -36,6 +40,7 @@ class PendingCheckpoint:
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until committed; returns the generation's directory."""
+        self._execute()
         if not self._finished.wait(timeout):
             raise OperationTimeoutError(f"{self.path}: checkpoint not committed after {timeout} s")
         if self._error is not None:
@@ -43,18 +48,32 @@ class PendingCheckpoint:
         return self.path
 
     # -- used by save.py ------------------------------------------------------------------
-    def _run(self, body) -> None:
-        def target():
-            try:
+    def _run(self) -> None:
+        """Run the save's body (``_body``) on its own thread."""
+        # not a daemon: a script that ends right after saving still commits its checkpoint
+        threading.Thread(target=self._execute, name="oe-checkpoint").start()
+
+    def _execute(self) -> None:
+        """Run the save's body if nobody has taken it yet (else return at once); however it
+        ends, the save counts as finished. An interrupt on the caller's thread fails the
+        save and goes on to the caller."""
+        body = None
+        try:
+            with self._claim:
+                body, self._body = self._body, None
+            if body is not None:
                 body()
-            except BaseException as e:  # re-raised by wait()
-                self._error = e
-            finally:
+        except BaseException as e:  # re-raised by wait()
+            if body is None:
+                raise
+            self._error = e
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            if body is not None:
                 self.params_written.set()  # never leave a step waiting on a failed save
                 self.stats["seconds"] = time.perf_counter() - self._t0
                 self._finished.set()
-        # not a daemon: a script that ends right after saving still commits its checkpoint
-        threading.Thread(target=target, name="oe-checkpoint").start()
 
 
 def wait_for_params(optimizer, *_args, **_kwargs) -> None:
@@ -63,6 +82,7 @@ def wait_for_params(optimizer, *_args, **_kwargs) -> None:
     pending = getattr(optimizer, PENDING_ATTR, None)
     if pending is not None and not pending.params_written.is_set():
         t0 = time.perf_counter()
+        pending._execute()  # its thread never started (Ctrl-C): the save runs here
         pending.params_written.wait()
         pending.stats["step_waited_s"] += time.perf_counter() - t0
 
@@ -78,11 +98,13 @@ def guard(optimizer, pending: PendingCheckpoint) -> None:
 def finish_previous(optimizer) -> None:
     """Wait for the optimizer's save in progress, if any (one at a time: the store takes
     one snapshot at a time). Its failure is logged, not raised: it belongs to that save's
-    own ``wait()``, and the new save may well succeed (a disk that was full, now freed)."""
+    own ``wait()``, and the new save may well succeed (a disk that was full, now freed).
+    An interrupt while waiting (Ctrl-C, SIGTERM's SystemExit) goes on to the caller: it is
+    no failure of that save, and swallowing it kept a run going that was told to stop."""
     pending = getattr(optimizer, PENDING_ATTR, None)
     if pending is None:
         return
-    try:
-        pending.wait()
-    except BaseException as e:
-        log.warning("the previous checkpoint (%s) failed: %s", pending.path, e)
+    pending._execute()  # its thread never started (Ctrl-C): the save runs here
+    pending._finished.wait()
+    if pending._error is not None:
+        log.warning("the previous checkpoint (%s) failed: %s", pending.path, pending._error)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ..errors import OperationTimeoutError
+from ..errors import OffloadEngineError, OperationTimeoutError
 from ..io.errors import PoolExhaustedError, WrappedIOError
 
 
@@ -28,6 +28,12 @@ def for_bucket(op: str, bucket, error: BaseException) -> BaseException:
     """``error`` as a BucketIOError naming ``bucket``'s array and index, when it is an I/O
     error (other errors are returned as they are)."""
     return BucketIOError.wrap(error, op, bucket.array.name, bucket.index)
+
+
+class SnapshotInterruptedError(OffloadEngineError, RuntimeError):
+    """A snapshot's copy of a bucket was cut short by an interrupt (Ctrl-C, SystemExit)
+    landing in the acquire that copied it: the snapshot fails (its checkpoint is not
+    committed) and the interrupt goes on to the caller."""
 
 
 class SlowDiskError(OperationTimeoutError):

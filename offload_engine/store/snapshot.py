@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 from ..errors import OperationTimeoutError, UsageError
+from .errors import SnapshotInterruptedError
 
 # sink(array_name, bucket_index, start_element, tensor): write the bucket's bytes somewhere
 Sink = Callable[[str, int, int, torch.Tensor], None]
@@ -139,27 +140,26 @@ class Snapshot:
         copy runs in the acquire that holds it; the thread's copy holds it itself and lets
         it go here."""
         try:
-            try:
-                tensor = self.store.bytes_of(bucket)
-            except BaseException as e:  # the claimed bucket must settle, or wait() never ends
-                self.fail(e)
-                self.settle(1)
-            else:
-                self._to_sink(bucket, tensor, inline)
-        finally:
-            self.store.let_go(bucket, held=not inline)
-
-    def _to_sink(self, bucket, tensor: torch.Tensor, inline: bool) -> None:
-        try:
+            tensor = self.store.bytes_of(bucket)
             self.sink(bucket.array.name, bucket.index, bucket.start, tensor)
-        except BaseException as e:  # recorded; wait() raises it
-            self.fail(e)
+        except BaseException as e:  # the claimed bucket must settle, or wait() never ends
+            if isinstance(e, Exception):
+                self.fail(e)  # recorded; wait() raises it, the user's acquire goes on
+            else:  # Ctrl-C (or SystemExit) in an acquire's copy: the copy fails, and the
+                # interrupt goes on to the user; never swallowed as the sink's error
+                self.fail(SnapshotInterruptedError(
+                    f"snapshot interrupted ({type(e).__name__}) while copying "
+                    f"{bucket.array.name} bucket {bucket.index}"))
             self.settle(1)
+            if inline and not isinstance(e, Exception):
+                raise
         else:
             with self._count_lock:
                 self.copied += 1
                 self.copied_inline += int(inline)
             self.settle(1)
+        finally:
+            self.store.let_go(bucket, held=not inline)
 
     def _work(self) -> None:
         cv = self.store.cv

@@ -1,16 +1,11 @@
 """TieredStore: flat state arrays served bucket by bucket from GPU, pinned CPU or NVMe.
 
-Data flow for an NVMe-home bucket: disk --(read, prefetched k ahead)--> pinned buffer
---(acquire: the view itself on CPU, or a side-stream copy to the GPU)--> user --(release
-dirty)--> pinned buffer --(write-back when evicted or flushed)--> disk. What to read ahead
-and what to evict is the residency policy's (store/policy.py: next use in the step order the
-store owns), so each bucket not kept resident is read once and written once per step, and
-buckets still cached from the previous step are hits. This module keeps the bucket state
-machine (absent, reading, resident, writing), the pinned pool and the I/O. Each of its
-collaborators holds one job: the arrays and the manifest (store/registry.py), the GPU tier
-and its copies (store/gpu_staging.py), snapshots (store/snapshot.py), the I/O settings and
-their adaptive changes (store/io_choice.py), opening and closing what the store holds
-through one ExitStack (store/resources.py).
+An NVMe-home bucket goes disk --(read, prefetched)--> pinned buffer --(acquire: the view,
+or a copy to the GPU)--> user --(release dirty)--> pinned buffer --(write-back when evicted
+or flushed)--> disk; what to read ahead and evict is the policy's (store/policy.py). This
+module keeps the bucket state machine (absent, reading, resident, writing); its
+collaborators: store/registry.py (arrays, manifest), gpu_staging.py, snapshot.py,
+io_choice.py, resources.py (what is opened and closed), acquire_wait.py (timeouts).
 
 Threads: one lock guards all bucket state. Callers (acquire, release, flush) take it on
 their own threads. I/O completions never do: an I/O thread only posts the completion to the
@@ -152,39 +147,44 @@ class TieredStore:
             self._policy.note_use(b.key)
             t0 = time.monotonic()
             waited = self._hold(b)
-            # copy-on-acquire: a bucket a snapshot still has to copy is copied before use
-            copy_first = self._snapshot is not None and self._snapshot.before_use(b, self._cv)
-            self._tick += 1
-            b.last_use = self._tick
-            self._pump()
-            if waited:
-                self._stats.current.io_wait_s += time.monotonic() - t0
-        if copy_first:
-            self._snapshot.copy(b, inline=True)
-        with self._lock:
-            if dev.type == "cpu":
-                if self.gpu is not None:  # bytes from a GPU user landed; none still read
-                    self.gpu.before_host_use(b)
-                tensor = b.host_view(b.array.dtype)[start - b.start:stop - b.start]
-            else:
-                try:
+        # from here on whatever ends the acquire (an error, Ctrl-C in a wait or a copy)
+        # gives the hold back: a bucket held with no handle would block every snapshot
+        try:
+            with self._lock:
+                # copy-on-acquire: a bucket a snapshot still has to copy is copied before use
+                copy_first = self._snapshot is not None and self._snapshot.before_use(b, self._cv)
+                self._tick += 1
+                b.last_use = self._tick
+                self._pump()
+                if waited:
+                    self._stats.current.io_wait_s += time.monotonic() - t0
+            if copy_first:
+                self._snapshot.copy(b, inline=True)
+            with self._lock:
+                if dev.type == "cpu":
+                    if self.gpu is not None:  # bytes from a GPU user landed; none still read
+                        self.gpu.before_host_use(b)
+                    tensor = b.host_view(b.array.dtype)[start - b.start:stop - b.start]
+                else:  # may fail (the gpu tier full): the bucket is not lent after all
                     tensor = self.gpu.stage(b)[start - b.start:stop - b.start]
-                except BaseException:  # gpu tier full: the bucket is not lent after all
-                    b.refs -= 1
-                    self._update_candidate(b)
-                    self._cv.notify_all()
-                    raise
-        return Handle(name, start, stop, dev, tensor, b)
+                return Handle(name, start, stop, dev, tensor, b)
+        except BaseException:
+            with self._lock:
+                self._unhold(b)
+            raise
 
     def keep(self, name: str, index: int) -> Handle:
         """Keep bucket ``index`` of array ``name`` in the pinned pool until the handle is
         released (never a victim), without lending its bytes: ``handle.tensor`` is None and
         changes go through ``acquire``, so a ``snapshot`` may run while it is kept."""
         h = self.acquire(name, index, device="cpu")
-        with self._lock:
-            h._bucket.keeps += 1
-        h.tensor = None
-        h.keep = True
+        try:
+            with self._lock:
+                h._bucket.keeps += 1
+                h.tensor, h.keep = None, True
+        except BaseException:  # Ctrl-C before the caller has the handle: not lent
+            self.release(h)
+            raise
         return h
 
     def release(self, handle: Handle, dirty: bool = False) -> None:
@@ -196,17 +196,19 @@ class TieredStore:
             if handle.keep and dirty:
                 raise InputError(f"handle of {handle.array}[{handle.start}:{handle.stop}] "
                                  "is a keep() handle: it lends no bytes to change")
+            # the counts first, with no call between them: Ctrl-C landing in a call below
+            # leaves the handle released and the bucket no longer held, never half of it
             handle._released = True
-            if handle.keep:
-                b.keeps -= 1
-            if handle.device.type == "cuda":
-                self.gpu.unstage(b, dirty)
             b.refs -= 1
-            if dirty and b.array.home == "nvme":
-                b.dirty = True
-            self._update_candidate(b)
+            b.keeps -= handle.keep
+            b.dirty = b.dirty or (dirty and b.array.home == "nvme")
+            try:
+                if handle.device.type == "cuda":
+                    self.gpu.unstage(b, dirty)
+            finally:
+                self._update_candidate(b)
+                self._cv.notify_all()
             self._pump()
-            self._cv.notify_all()
 
     def _update_candidate(self, b: Bucket) -> None:
         """Tell the policy whether ``b`` may be evicted now (after any change of its state,
@@ -220,20 +222,24 @@ class TieredStore:
         """(Lock held.) One more holder of ``b``: from now on not a victim, even while its
         read is awaited; brings it in and returns whether that waited. Undone on failure."""
         b.refs += 1
-        self._update_candidate(b)
         try:
+            self._update_candidate(b)
             return self._make_resident(b, demand=True)
         except BaseException:
-            b.refs -= 1
-            self._update_candidate(b)
+            self._unhold(b)
             raise
+
+    def _unhold(self, b: Bucket) -> None:
+        """(Lock held.) Undo one ``_hold`` of ``b``: it may be a victim again."""
+        b.refs -= 1
+        self._update_candidate(b)
+        self._cv.notify_all()
 
     def _make_resident(self, b: Bucket, demand: bool) -> bool:
         """Bring ``b`` into its buffer; returns whether the caller had to wait. Waiting on
         I/O in flight and waiting for pinned space have their own bounds (acquire_wait.py)."""
         clock = AcquireWait(b, self.config.acquire_timeout_s, self.config.io_timeout_s)
-        counted = False
-        retried = False
+        counted = retried = False
         while True:
             if b.error is not None:
                 err, b.error = b.error, None
@@ -506,7 +512,8 @@ class TieredStore:
             sched = self._policy.schedule
             scheduled = [self._bucket(k) for k in sched.order_for(sched.step + 1)] if sched else []
             wanted = [b for n in names for b in self._registry.get(n).buckets]
-            bytes_of = self.gpu.bytes_now if self.gpu is not None else _host_bytes
+            bytes_of = (self.gpu.bytes_now if self.gpu is not None  # else: the pinned bytes
+                        else lambda b: b.host_view(b.array.dtype))
             access = SnapshotBuckets(self._cv, self._hold, bytes_of, self._let_go_after_snapshot)
             self._snapshot = snap = Snapshot(claim_order(scheduled, wanted), sink, access)
             snap.start()
@@ -516,8 +523,7 @@ class TieredStore:
         with self._lock:
             b.saving = False
             if held:
-                b.refs -= 1
-                self._update_candidate(b)
+                self._unhold(b)
                 self._pump()
             self._cv.notify_all()
 
@@ -592,7 +598,3 @@ class TieredStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _host_bytes(b: Bucket) -> torch.Tensor:
-    """``b``'s pinned bytes as its array's dtype."""
-    return b.host_view(b.array.dtype)

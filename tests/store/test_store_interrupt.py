@@ -8,30 +8,13 @@ import threading
 import pytest
 import torch
 
+from helpers.deadline import within
 from helpers.store_runs import make_store
 from offload_engine.layout.flat_array import FlatArray
 
 KiB = 1024
 BUCKET = 16 * KiB
 BUCKETS = 16
-
-
-def within(seconds, fn):
-    """fn() on a thread; fails the test if it has not returned after ``seconds``."""
-    done, errors = threading.Event(), []
-
-    def run():
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    assert done.wait(seconds), f"{fn.__name__} did not return within {seconds} s (a hang)"
-    if errors:
-        raise errors[0]
 
 
 def interrupt_first_call_on_this_thread(monkeypatch, method):
