@@ -28,3 +28,9 @@ MAX_DIM = (1 << 63) - 1
 # it builds an object per bucket, ~90 bytes each. 2,000,000 is a 30-trillion-parameter model
 # at the default 64 MiB buckets (165 MB and 10 s of planning).
 MAX_PLAN_BUCKETS = 2_000_000
+
+# JSON values of a model description, counted by their separators before parsing (parsing
+# builds 30 to 100 bytes of objects per value: 64 MiB of `[{},{},...]` would build 1.5 GB).
+# A shape list of 1,000,000 two-dimensional tensors holds about 3,000,000; a real index of
+# 10,000 tensors about 20,000.
+MAX_JSON_VALUES = 4_000_000

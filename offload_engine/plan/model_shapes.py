@@ -19,7 +19,6 @@ number is checked against ``model_limits`` before anything proportional to it is
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -28,14 +27,10 @@ from dataclasses import dataclass, field
 from ..formats.errors import FormatError
 from ..formats.safetensors import read_header, read_index
 from . import model_limits as limits
-from ..errors import InputError
+from .model_file import ModelInputError, check_regular, is_size, read_model_json
 
 # an FSDP2 unit: one block of a layer stack (fully_shard is applied per block)
 _BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|layer)\.\d+)\.")
-
-
-class ModelInputError(InputError):
-    """A model description the planner cannot read: one line naming the file."""
 
 
 @dataclass(frozen=True)
@@ -125,21 +120,7 @@ def _load_dir(path: str, dtype: str) -> ModelShapes:
 
 
 def _read_json(path: str):
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > limits.MAX_JSON_BYTES:
-                raise ModelInputError(f"{path}: {size} bytes; a model description of at most "
-                                      f"{limits.MAX_JSON_BYTES} bytes is read")
-            raw = f.read(limits.MAX_JSON_BYTES + 1)
-    except OSError as e:
-        raise ModelInputError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelInputError(f"{path}: not valid JSON: {e}") from None
-    except (ValueError, RecursionError) as e:  # a number of over 4300 digits, deep nesting
-        raise ModelInputError(f"{path}: not a usable JSON document: {str(e)[:200]}") from None
+    return read_model_json(path)
 
 
 def check_shapes(tensors: list[Tensor], source: str) -> list[Tensor]:
@@ -220,8 +201,7 @@ def _check_config_numbers(cfg: dict, source: str, family: str) -> None:
                                                "n_positions", "max_position_embeddings")):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    0 <= value <= limits.MAX_DIM):
+            if not is_size(value):
                 raise ModelInputError(f"{source}: {family} config: {key} is {_short_shape(value)}, "
                                       f"expected an integer in [0, 2**63)")
     layers = max(int(cfg.get(k) or 0) for k in _COUNT_KEYS[:2])
@@ -352,6 +332,7 @@ def from_safetensors(paths: list[str], name: str, source: str) -> ModelShapes:
     ``formats.safetensors``; only the first 8 + N bytes of each file are read)."""
     tensors = []
     for path in paths:
+        check_regular(path)
         try:
             entries, _, _ = read_header(path, check_data=False)
         except FormatError as e:
