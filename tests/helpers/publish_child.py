@@ -4,7 +4,7 @@
     python publish_child.py SRC OUT PER_SHARD kill N          # SIGKILL itself at the N-th call
     python publish_child.py SRC OUT PER_SHARD hold KIND READY # at its first KIND call in OUT
                                                               # (rename, write): create READY,
-                                                              # then sleep 3 s
+                                                              # then sleep 6 s
     python publish_child.py SRC OUT PER_SHARD cli KIND READY  # the same, through the command
                                                               # line; exits with its code
 PER_SHARD is a count of test tensors per shard, or "one" for a single file.
@@ -33,7 +33,7 @@ class Plan:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.mode in ("hold", "cli") and kind == self.args[0] and not os.path.exists(self.args[1]):
             open(self.args[1], "w").close()
-            time.sleep(3)
+            time.sleep(6)
 
 
 def main(src, out, per_shard, mode, *args):

@@ -39,7 +39,7 @@ def sources(tmp_path):
 
 
 def _wait_until_ready(child, ready: str) -> None:
-    """Until ``child`` has created ``ready`` (it then holds OUT for 3 s), at most 30 s."""
+    """Until ``child`` has created ``ready`` (it then holds OUT for 6 s), at most 30 s."""
     deadline = time.monotonic() + 30
     while not os.path.exists(ready) and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
