@@ -158,3 +158,17 @@ def test_stack_whose_expert_count_disagrees_with_its_shards(checkpoint, tmp_path
     rc, _, err = run_cli(["export", root, W1, "--expert", 1, "--out", tmp_path / "x.npy"], capsys)
     assert_one_line_error(rc, err, W1)
     assert not os.path.exists(tmp_path / "x.npy")
+
+
+def test_per_expert_names_of_every_spelling(tmp_path, capsys):
+    """Per-expert tensors are expert E's by their name: Hugging Face 4.x ``experts.E.`` and
+    DeepSpeed's ``deepspeed_experts.E.``; ``experts.1`` is not expert 12's."""
+    names = ["model.layers.0.mlp.experts.1.gate_proj.weight",
+             "model.layers.0.mlp.experts.12.gate_proj.weight",
+             "moe0.deepspeed_moe.experts.deepspeed_experts.1.w1.weight",
+             "moe0.deepspeed_moe.gate.wg.weight"]
+    st = str(tmp_path / "m.safetensors")
+    save_file({n: torch.full((2, 3), float(i)) for i, n in enumerate(names)}, st)
+    rc, out, err = run_cli(["inspect", st, "--expert", 1, "--json"], capsys)
+    assert rc == 0, err
+    assert sorted(r["name"] for r in json.loads(out)["tensors"]) == sorted([names[0], names[2]])
