@@ -251,7 +251,11 @@ class AsyncFileIO:
             self._outstanding[op] += 1
             if self._outstanding[op] == 1:
                 self._busy_since[op] = time.monotonic()
-        self._enqueue(op, ("pieces", req, collections.deque(pieces)), len(pieces))
+        try:
+            self._enqueue(op, ("pieces", req, collections.deque(pieces)), len(pieces))
+        except BaseException:  # Ctrl-C before it was queued: not outstanding after all
+            self._request_done(op)
+            raise
         return fut
 
     def _request_done(self, op: str) -> None:
