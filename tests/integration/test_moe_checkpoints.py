@@ -5,7 +5,7 @@ Real processes (gloo, CPU). A tiny Qwen3-MoE (transformers 5.25, built in code: 
 fused as ``mlp.experts.gate_up_proj [5, 16, 16]`` and ``down_proj [5, 16, 8]``, top-2
 router) trains 3 steps at W=2, the expert stacks sharded by FSDP2 on the expert dimension
 (Shard(0): 3 + 2 experts) and stepped by Muon, one matrix per expert (ZeroMuon's default
-rule). The checkpoint loads at W=3 (2 + 2 + 1 experts), which saves
+rule), the state homed on NVMe through a 16 KiB pool smaller than it. The checkpoint loads at W=3 (2 + 2 + 1 experts), which saves
 again, and that one loads at W=1: every parameter and state equals the W=2 run's, bit
 for bit. Both checkpoints consolidate (config.json beside them: per-expert names) into
 safetensors that ``Qwen3MoeForCausalLM.from_pretrained`` loads with no key missing or left
@@ -49,8 +49,10 @@ def train_w2(rank, world, mesh, tmp):
     model = sharded_model(mesh, seed=7)
     stack = dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
     assert stack.to_local().shape[0] == (3, 2)[rank]  # whole experts, on the expert dim
-    with ZeroMuon(model.named_parameters(), **OPTIONS,
-                  store=store(os.path.join(tmp, "store_w2"))) as opt:
+    config = store(os.path.join(tmp, "store_w2"))
+    with ZeroMuon(model.named_parameters(), **OPTIONS, store=config) as opt:
+        # the experts' state streams through a pool smaller than it, as any state does
+        assert opt.layout.state_bytes() > config["cpu_budget"]
         for step in range(STEPS):
             ids = tokens(step)
             model(ids, labels=ids).loss.backward()
