@@ -35,3 +35,36 @@ def test_the_optimizer_doc_shows_the_example_verbatim():
     with open(os.path.join(ROOT, "docs", "optimizer.md")) as f:
         doc = f.read()
     assert f"```python\n{script}```" in doc
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_example_trains_and_its_checkpoint_consolidates_per_expert(tmp_path):
+    """examples/train_moe_ep.py under torchrun (2 processes): whole experts per rank
+    (Shard(0) on the expert dimension), tokens routed by all_to_all, every expert on Muon;
+    the loss falls, and the expert-parallel checkpoint consolidates on one process into one
+    tensor per expert."""
+    from safetensors import safe_open
+    example = os.path.join(ROOT, "examples", "train_moe_ep.py")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           example, "--store", str(tmp_path / "state"), "--checkpoint", str(ckpt), "--steps", "21"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = re.findall(r"step +(\d+)  loss ([0-9.]+)  all_to_all \(Muon\) (\d+) B", proc.stdout)
+    losses = [float(r[1]) for r in rows]
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], proc.stdout
+    cli = [sys.executable, "-m", "offload_engine.cli.main"]
+    proc = subprocess.run(cli + ["consolidate", str(ckpt), str(out), "--experts", "per-expert"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    for layer in range(2):
+        for w in ("w1", "w2", "w3"):
+            assert not any(n.endswith(f"layers.{layer}.moe.experts.{w}") for n in names)
+        assert sum(f".layers.{layer}.moe.experts." in f".{n}" for n in names) == 12, names
+    proc = subprocess.run(cli + ["inspect", str(ckpt), "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert '"layers.0.moe.experts.w1"' in proc.stdout
