@@ -12,13 +12,23 @@ drive's model (or serial) from ``/sys/dev/block/<major>:<minor>``, when there is
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
 
+from ..jsonlimits import read_json_file
+from ..units import MiB
+
+log = logging.getLogger(__name__)
+
 FORMAT = "offload-engine-disk-profile"
 FORMAT_VERSION = 1
 CACHE_ENV = "OFFLOAD_ENGINE_CACHE_DIR"
+# A cached profile is a few KB (the best point and a sweep of ~50 points); anyone who can
+# write the cache folder wrote it, so it is read bounded and checked (``load_profile``).
+MAX_CACHE_BYTES = 1 * MiB
+MAX_FIGURE = 1 << 62  # no bandwidth, block size or depth comes near it; bounds the arithmetic
 
 
 def cache_dir() -> str:
@@ -94,24 +104,33 @@ def save_profile(path: str, profile: dict) -> str:
 
 
 def load_profile(path: str) -> dict | None:
-    """The cached profile of ``path``'s device, or None when there is none (or it is unreadable
-    or of another format: it is then ignored, not trusted)."""
+    """The cached profile of ``path``'s device, or None when there is none. One that is
+    unreadable, of another format, not a regular file, over ``MAX_CACHE_BYTES``, not strict
+    JSON or without positive finite figures is ignored with a warning naming it, never
+    trusted and never a crash (docs/untrusted-input.md)."""
     try:
         file = profile_path(path)
+        if not os.path.exists(file):
+            return None
     except OSError:
         return None
     try:
-        with open(file) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
+        doc = read_json_file(file, MAX_CACHE_BYTES, what="disk profile", max_depth=8)
+    except (OSError, ValueError) as e:
+        log.warning("ignoring a bad disk profile: %s", e)
         return None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or \
             doc.get("format_version") != FORMAT_VERSION:
         return None
     best = doc.get("best")
     if not isinstance(best, dict) or not all(
-            isinstance(best.get(k), (int, float)) and best.get(k) > 0
-            for k in ("read_gbps", "write_gbps", "block_size", "queue_depth", "io_threads")):
+            type(best.get(k)) in types and 0 < best.get(k) <= MAX_FIGURE
+            for k, types in (("read_gbps", (int, float)), ("write_gbps", (int, float)),
+                             ("block_size", (int,)), ("queue_depth", (int,)),
+                             ("io_threads", (int,)))):
+        log.warning("ignoring a bad disk profile: %s: 'best' needs positive numbers read_gbps "
+                    "and write_gbps and positive integers block_size, queue_depth and "
+                    "io_threads", file)
         return None
     doc["file"] = file
     return doc

@@ -9,7 +9,7 @@ import pytest
 
 from offload_engine.cli.main import main
 
-from helpers.deadline import within
+from helpers.alarm_deadline import alarm_within
 
 MUON = {"optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}},
         "zero_optimization": {"stage": 3, "sub_group_size": 1e9,
@@ -20,7 +20,7 @@ MUON = {"optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}},
 
 @pytest.fixture
 def deadline():
-    with within(20):
+    with alarm_within(20):
         yield
 
 

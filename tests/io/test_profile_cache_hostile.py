@@ -13,7 +13,7 @@ from offload_engine.io import device_profile as dp
 from offload_engine.io.settings import DEFAULT
 from offload_engine.store import TieredStore
 
-from helpers.deadline import within
+from helpers.alarm_deadline import alarm_within
 
 KiB = 1024
 
@@ -113,7 +113,7 @@ def test_a_special_file_as_the_cache_is_ignored_without_blocking(cache, caplog, 
         os.mkfifo(file)
     else:
         os.symlink("/dev/zero", file)
-    with within(20):
+    with alarm_within(20):
         _assert_ignored(directory, file, caplog)
 
 

@@ -12,14 +12,14 @@ import pytest
 from offload_engine.cli.main import main
 from offload_engine.plan.model_shapes import ModelInputError, load_model
 
-from helpers.deadline import within
+from helpers.alarm_deadline import alarm_within
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "intermediate_size": 128, "vocab_size": 1000}
 
 
 def _plan_error(capsys, path, *words):
-    with within(20):
+    with alarm_within(20):
         rc = main(["plan", "--model", str(path), "--world-size", "8"])
     out, err = capsys.readouterr()
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, (rc, err)
@@ -72,5 +72,5 @@ def test_a_fifo_among_a_folders_safetensors_is_refused(tmp_path, capsys):
 
 
 def test_dev_zero_is_refused(capsys):
-    with pytest.raises(ModelInputError, match="character device"), within(20):
+    with pytest.raises(ModelInputError, match="character device"), alarm_within(20):
         load_model("/dev/zero")
