@@ -246,15 +246,17 @@ def expert_naming(source: TensorSource, mode: str, config_path: str | None
         raise InputError(f"--experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
     if not any(expert_count(t.name, t.shape) is not None for t in source.tensors()):
         return source, ""
+    grouped = ("grouped expert stacks written as stored ({}); --experts per-expert writes "
+               "one tensor per expert")
+    if mode == "grouped":
+        return source, grouped.format("--experts grouped")
     config = read_config(config_path) if config_path else {}
     model_type = config.get("model_type")
     family = family_of(model_type)
-    if mode == "grouped" or (mode == "auto" and family is None):
-        why = ("--experts grouped" if mode == "grouped" else
-               f"config.json's model_type {model_type!r} has no per-expert naming here"
-               if config_path else "no config.json beside the checkpoint")
-        return source, (f"grouped expert stacks written as stored ({why}); --experts "
-                        f"per-expert writes one tensor per expert")
+    if mode == "auto" and family is None:
+        return source, grouped.format(
+            f"config.json's model_type {model_type!r} has no per-expert naming here"
+            if config_path else "no config.json beside the checkpoint")
     view = PerExpertSource(source, family, config_experts(config), config_path)
     named = f"{family} names" if family else "the generic per-expert rule"
     return view, f"expert stacks written per expert ({named})"

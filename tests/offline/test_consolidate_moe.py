@@ -152,3 +152,21 @@ def test_experts_both_grouped_and_per_expert_are_refused(tmp_path):
     data = {"l.experts.w1": torch.zeros(2, 3, 4), "l.experts.0.w1.weight": torch.zeros(3, 4)}
     with pytest.raises(InputError, match=r"l\.experts\.0\.w1\.weight would be written twice"):
         PerExpertSource(DictSource(data))
+
+
+def test_auto_keeps_stacks_of_an_unknown_model_type(tmp_path, capsys):
+    """A model_type without a per-expert naming here (gpt_oss keeps its experts grouped and
+    interleaved) is written as stored; --experts grouped does not even read config.json."""
+    src = fused_checkpoint(tiny_qwen3_moe(seed=5), tmp_path / "fused")
+    config = json.load(open(os.path.join(src, "config.json")))
+    json.dump({**config, "model_type": "gpt_oss"}, open(os.path.join(src, "config.json"), "w"))
+    assert main(["consolidate", src, str(tmp_path / "out"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "model_type 'gpt_oss' has no per-expert naming here" in report["experts"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_output(tmp_path / "out")[0]
+    with open(os.path.join(src, "config.json"), "w") as f:
+        f.write("{not json")
+    assert main(["consolidate", src, str(tmp_path / "out2"), "--experts", "grouped",
+                 "--no-copy-config"]) == 0
+    err = _refused(tmp_path / "again", src, capsys)  # auto reads it: one line naming it
+    assert "config.json: not JSON" in err
