@@ -170,3 +170,19 @@ def test_auto_keeps_stacks_of_an_unknown_model_type(tmp_path, capsys):
                  "--no-copy-config"]) == 0
     err = _refused(tmp_path / "again", src, capsys)  # auto reads it: one line naming it
     assert "config.json: not JSON" in err
+
+
+@pytest.mark.parametrize("experts", [4, 512])
+def test_memory_does_not_grow_with_the_number_of_experts(tmp_path, experts):
+    """One expert slice at a time: the I/O buffers in use stay within the window pool
+    whatever E (512 experts of 4 KiB each through 16 KiB windows)."""
+    data = {"l.mlp.experts.gate_up_proj": torch.randn(experts, 16, 32),
+            "l.mlp.experts.down_proj": torch.randn(experts, 32, 8)}
+    window = 16 * 1024
+    result = consolidate(PerExpertSource(DictSource(data)), str(tmp_path / "out"),
+                         window_bytes=window)
+    assert result.tensors == 3 * experts
+    assert result.peak_buffer_bytes <= 5 * window
+    got, _ = load_output(tmp_path / "out")
+    assert torch.equal(got[f"l.mlp.experts.{experts - 1}.up_proj.weight"],
+                       data["l.mlp.experts.gate_up_proj"][-1, 8:])
