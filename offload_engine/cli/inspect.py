@@ -69,8 +69,8 @@ def add_expert_argument(p: argparse.ArgumentParser) -> None:
     """``--expert E``, the same in inspect, diff and export."""
     p.add_argument("--expert", type=int, metavar="E",
                    help="only expert E: each grouped expert stack ([E, ...] under an "
-                        "'experts' module) as its slice NAME[E], and the per-expert tensors "
-                        "of expert E (...experts.E....)")
+                        "'experts' module) as its slice NAME[E], and the tensors of expert E "
+                        "kept one per expert (names holding 'experts.E.')")
 
 
 def _dtype(d) -> str:
