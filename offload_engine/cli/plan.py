@@ -38,7 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a 2-D mesh: dp_replicate=R,dp_shard=S,tp=T (missing axes 1), or a "
                         "torchtitan [parallelism] block as JSON or a JSON file (-1: the rest "
                         "of --world-size); per-rank and per-node figures are for one shard "
-                        "group of S x T ranks, which must fill whole nodes")
+                        "group of S x T ranks, which must fill whole nodes; ep=N: expert "
+                        "parallelism for a mixture of experts, N ranks taken from S x T")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
                    help="ranks per node (default 8; fewer if W is smaller)")
     p.add_argument("--gpu-mem", type=byte_size, default=80 * 10**9, metavar="SIZE",
@@ -79,7 +80,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=float, default=None, metavar="S",
                    help="seconds per optimizer step, for drive writes per day")
     p.add_argument("--tokens-per-step", type=int, default=None,
-                   help="global tokens per optimizer step: compute time = 6*P*T/(W*peak*MFU)")
+                   help="global tokens per optimizer step: compute time = 6*P*T/(W*peak*MFU), P the active parameters of a mixture of experts")
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="peak dense TFLOP/s per GPU (default 989)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization (default 0.4)")
     p.add_argument("--dwpd", type=float, default=1.0, help="drive endurance rating, drive writes per day (default 1)")
@@ -143,7 +144,9 @@ def add_mesh(doc: dict, mesh, model, args, opts) -> None:
     figures = mesh_figures(mesh, args.gpus_per_node, shapes, opts.ns_steps,
                            max(t["nvme_read_bytes_per_step_per_node"]),
                            max(t["nvme_written_bytes_per_step_per_node"]),
-                           int(doc["model"]["state_bytes_per_param"] * doc["model"]["params"]))
+                           int(doc["model"]["state_bytes_per_param"] * doc["model"]["params"]),
+                           moe=doc["model"].get("moe"), tokens_per_step=args.tokens_per_step,
+                           hidden=model.moe.hidden if model.moe else 0)
     doc["mesh"] = figures
     doc["inputs"].update(world_size=mesh.world_size, nodes=figures["nodes"])
     a2a, mesh_a2a = t["all_to_all_bytes_per_step_per_rank"], figures["all_to_all_bytes_per_step_per_rank"]
@@ -155,6 +158,9 @@ def add_mesh(doc: dict, mesh, model, args, opts) -> None:
     else:
         a2a.update(sent=mesh_a2a["each_way"], received=mesh_a2a["each_way"],
                    design_formula=mesh_a2a["each_way"])
+    if mesh.dp_replicate > 1:   # every replica orthogonalizes its own experts
+        doc["traffic"]["newton_schulz_flops_per_step_per_rank"]["max"] = \
+            figures["newton_schulz_flops_per_step"]["per_rank"]
     doc["verdict"]["notes"].append(
         f"mesh {mesh.dp_replicate} x {mesh.dp_shard} x {mesh.tp} (dp_replicate x dp_shard x "
         f"tp): per-rank and per-node figures are one shard group's ({mesh.shard_group} ranks, "
@@ -184,7 +190,7 @@ def run(args) -> int:
                        param_dtype=dtype(args.param_dtype), master_weights=args.master_offload,
                        bucket_bytes=args.bucket_bytes, prefetch_depth=args.prefetch_depth,
                        device="cpu" if args.param_offload or args.device == "cpu" else "cuda",
-                       gpu=args.device == "cuda")
+                       gpu=args.device == "cuda", expert_parallel=mesh.ep if mesh else 1)
     if args.prefetch_depth < 0:
         raise InputError("--prefetch-depth must be >= 0")
     machine = machine_from_args(args)
@@ -230,6 +236,14 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _flops(n: int) -> str:
+    """Floating-point operations with a unit that keeps 3 decimals meaningful."""
+    for unit, div in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= div:
+            return f"{n / div:.3f} {unit}"
+    return f"{n} FLOP"
+
+
 def _verdict(v: dict) -> str:
     if v["fits"] is None and not v["used_bytes"]:
         return "not used"
@@ -251,8 +265,14 @@ def format_plan(doc: dict) -> str:
     t, v, pl, cfg = doc["traffic"], doc["verdict"], doc["placement"], doc["store_config"]
     out = [f"plan: {m['name']} ({m['family']}), {_count(m['params'])} parameters: "
            f"{_count(m['params_muon'])} Muon, {_count(m['params_adamw'])} AdamW "
-           f"(f = {m['muon_fraction']:.3f})",
-           f"      world size {i['world_size']} = {i['nodes']} node(s) x {i['gpus_per_node']}, "
+           f"(f = {m['muon_fraction']:.3f})"]
+    if m.get("moe"):
+        e = m["moe"]
+        shared = f" + {e['shared_experts']} shared" if e["shared_experts"] else ""
+        out.append(f"      mixture of experts: {e['experts']} routed{shared} experts in "
+                   f"{e['moe_layers']} layer(s), {e['experts_per_token']} per token; "
+                   f"{_count(e['params_active'])} active parameters per token")
+    out += [f"      world size {i['world_size']} = {i['nodes']} node(s) x {i['gpus_per_node']}, "
            f"{i['param_dtype']} parameters {_where(i)}, "
            f"{'fp32 masters + fp32 state' if i['master_weights'] else 'state in ' + i['param_dtype']}"
            f", optimizer {i['optimizer']}", ""]
@@ -298,6 +318,10 @@ def format_plan(doc: dict) -> str:
     a = t["all_to_all_bytes_per_step_per_rank"]
     out.append(f"all_to_all per step and rank: sent {_b(a['sent'])}, received {_b(a['received'])} "
                f"in {a['calls']} calls")
+    ns = t["newton_schulz_flops_per_step_per_rank"]
+    if ns["max"]:
+        out.append(f"Newton-Schulz per step and rank: {_flops(ns['max'])} on the busiest rank, "
+                   f"{_flops(ns['mean'])} mean")
     if t["drive_writes_per_day"] is not None and max(nw):
         ok = "within" if t["endurance_ok"] else "OVER"
         out.append(f"drive writes per day: {t['drive_writes_per_day']:.2f} ({ok} the {t['dwpd_rating']:g} "
@@ -308,7 +332,8 @@ def format_plan(doc: dict) -> str:
         ns = ms["newton_schulz_flops_per_step"]
         nv = ms["nvme_bytes_per_step_all_nodes"]
         out.append(f"mesh: dp_replicate {ms['dp_replicate']} x dp_shard {ms['dp_shard']} x tp "
-                   f"{ms['tp']} = {ms['world_size']} ranks on {ms['nodes']} node(s); shard group "
+                   f"{ms['tp']}{' (ep ' + str(ms['ep']) + ')' if ms['ep'] > 1 else ''}"
+                   f" = {ms['world_size']} ranks on {ms['nodes']} node(s); shard group "
                    f"{ms['shard_group_ranks']} ranks ({ms['nodes_per_shard_group']} node(s)), "
                    f"state kept {ms['state_copies']} time(s): {_b(ms['state_bytes_all_replicas'])}")
         out.append(f"  all_to_all per rank and step: {_b(a2a['each_way'])} each way, "
@@ -317,6 +342,13 @@ def format_plan(doc: dict) -> str:
                    f"{ns['per_rank'] / 1e12:.3f} TFLOP per rank")
         out.append(f"  NVMe traffic per step, all nodes: read {_b(nv['read'])}, written "
                    f"{_b(nv['written'])}")
+        ep = ms.get("expert_parallel")
+        if ep:
+            tok = ep["token_all_to_all_bytes_per_step_per_rank"]
+            out.append(f"  experts: {ep['experts_per_ep_rank']} per ep rank, each over "
+                       f"{ep['expert_data_parallel_ranks']} expert-data-parallel rank(s); token "
+                       f"all_to_all per rank and step: "
+                       + (f"{_b(tok)} each way" if tok is not None else "give --tokens-per-step"))
     out.append("")
     smallest = v["smallest_world_size"]
     out.append(f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'}; binding tier: {v['binding'] or '-'}; "

@@ -29,8 +29,8 @@ from ..layout.manifest import SHARDS, fsdp_rows
 from ..layout.store_group import store_array_entry, store_group_attributes
 from ..layout.metadata import compact_json, new_array_doc
 from ..optim.muon_defaults import DEFAULT_NS_STEPS
-from ..optim.owners import assign_owners
-from ..optim.param_rules import use_muon_for
+from ..optim.owners import assign_owners, ns_flops
+from ..optim.param_rules import is_expert_stack, use_muon_for
 from ..optim.params import ParamInfo
 from ..optim.state_layout import ArrayKey, StateKind, build_layout
 from ..optim.step_schedule import SLOTS
@@ -39,7 +39,7 @@ from ..store.config import default as store_default
 from ..store.geometry import array_pool_bytes, bucket_sizes, elems_per_bucket
 from ..units import MiB
 from . import model_limits
-from .model_shapes import ModelInputError, ModelShapes
+from .model_shapes import ModelInputError, ModelShapes, unit_name
 
 BF16 = BFLOAT16.itemsize  # bytes of an exchanged element
 
@@ -58,6 +58,7 @@ class PlanOptions:
     gpu: bool = True                      # a GPU computes (FSDP2 gathers units onto it)
     amsgrad: bool = False
     ns_steps: int = DEFAULT_NS_STEPS
+    expert_parallel: int = 1              # ep ranks an MoE block's experts are spread over
 
     def __post_init__(self):
         # any spelling dtypes.dtype takes (a torch dtype from a test, "bf16" from the CLI)
@@ -203,6 +204,7 @@ class RankState:
     a2a_calls: int = 0
     ns_max_numel: int = 0
     ns_max_min_dim: int = 0
+    ns_flops: int = 0                    # Newton-Schulz multiply-adds per step
     max_segment: int = 0
     infos: list = field(default_factory=list, repr=False)  # this rank's view (its layout's)
 
@@ -224,6 +226,38 @@ def check_bucket_count(model: ModelShapes, bucket_bytes: int) -> None:
             f"{model.source}: {model.numel} parameters make {buckets} buckets of {bucket_bytes} "
             f"bytes per state array; the planner lays out at most {model_limits.MAX_PLAN_BUCKETS} "
             f"(a bigger --bucket-bytes plans a bigger model)")
+
+
+@dataclass(frozen=True)
+class PlannedMatrix:
+    """One Muon matrix as ZeroMuon's owners see it (``optim.matrices.Matrix``, without the
+    per-rank boxes: the planner's FSDP2 row split gives them)."""
+
+    shape: tuple[int, int]
+    candidates: list[int] | None     # an expert: its one holder; a 2-D parameter: any rank
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def kept(self) -> bool:
+        return self.candidates is not None
+
+
+def bundle_matrices(infos: list[ParamInfo], world: int) -> list[PlannedMatrix]:
+    """The matrices of one exchanged bundle in ZeroMuon's order (``comm.plan_matrices``): a
+    2-D parameter is one, exchanged; a stack of E experts is E, and FSDP2's ``Shard(0)`` on
+    the expert dimension gives each expert whole to one rank (``fsdp_rows(E, world)``
+    experts per rank, in rank order), which keeps it: no exchange."""
+    out = []
+    for i in infos:
+        if not i.stacked:
+            out.append(PlannedMatrix((i.rows, i.row_numel), None))
+            continue
+        holder = [r for r, n in enumerate(fsdp_rows(i.shape[0], world)) for _ in range(n)]
+        out += [PlannedMatrix(i.matrix_shape, [holder[e]]) for e in range(i.matrices)]
+    return out
 
 
 def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None = None) -> list[RankState]:
@@ -258,29 +292,40 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
             g["send_max"] = max(g["send_max"], local)
         groups.append(g)
 
-    # owners: chosen once from shapes, the same on every rank (ZeroMuon's call)
+    # owners: chosen once from shapes, the same on every rank (ZeroMuon's call, with its
+    # matrices: one per 2-D parameter, one per expert of a stack, an expert only to its holder)
     probe = groups[0]["layout"]
     exchanged = [c for c in probe.bundles if c.kind == "muon" and c.distributed and world > 1]
-    owners = assign_owners([[infos[p].shape for p in c.params] for c in exchanged], world,
-                           opts.ns_steps)
+    mats = [bundle_matrices([infos[p] for p in c.params], world) for c in exchanged]
+    owners = assign_owners([[m.shape for m in ms] for ms in mats], world, opts.ns_steps,
+                           candidates=[[m.candidates for m in ms] for ms in mats])
     own_local = [0] * world      # elements of its own matrices a rank holds itself
     own_numel = [0] * world      # elements of the matrices it orthogonalizes
     recv_max = [0] * world
     ns_numel = [0] * world
     ns_dim = [0] * world
-    for c, os_ in zip(exchanged, owners):
+    ns_work = [0] * world        # Newton-Schulz FLOPs per step
+    calls = [0] * world          # all_to_all calls per step (a bundle of kept experts has none)
+    for ms, os_ in zip(mats, owners):
         per_bundle: dict[int, int] = {}
-        for p, o in zip(c.params, os_):
-            i = infos[p]
-            own_local[o] += fsdp_rows(i.rows, world)[o] * i.row_numel
-            own_numel[o] += i.numel
-            per_bundle[o] = per_bundle.get(o, 0) + i.numel
-            ns_numel[o] = max(ns_numel[o], i.numel)
-            ns_dim[o] = max(ns_dim[o], min(i.rows, i.row_numel))
+        for m, o in zip(ms, os_):
+            rows, cols = m.shape
+            if m.kept:           # an expert its one holder orthogonalizes in place
+                own_local[o] += m.numel
+            else:
+                own_local[o] += fsdp_rows(rows, world)[o] * cols
+                per_bundle[o] = per_bundle.get(o, 0) + m.numel
+            own_numel[o] += m.numel
+            ns_numel[o] = max(ns_numel[o], m.numel)
+            ns_dim[o] = max(ns_dim[o], min(rows, cols))
+            ns_work[o] += ns_flops(rows, cols, opts.ns_steps)
         for o, n in per_bundle.items():
             recv_max[o] = max(recv_max[o], n)
-    local_muon = [(i.rows, i.row_numel) for c in probe.bundles if c.kind == "muon"
-                  and not (c.distributed and world > 1) for i in (infos[p] for p in c.params)]
+        if per_bundle:
+            calls = [n + 2 for n in calls]
+    local_muon = [i.matrix_shape for c in probe.bundles if c.kind == "muon"
+                  and not (c.distributed and world > 1) for i in (infos[p] for p in c.params)
+                  for _ in range(i.matrices)]
 
     out = []
     for r in range(world):
@@ -293,11 +338,13 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
             # U to the owners and O back, bf16, a rank's own block excluded
             moved = (g["dist_local"] - own_local[r]) + (own_numel[r] - own_local[r])
             st.a2a_sent = st.a2a_received = BF16 * moved
-            st.a2a_calls = 2 * len(exchanged)
+            st.a2a_calls = calls[r]
             st.ns_max_numel, st.ns_max_min_dim = ns_numel[r], ns_dim[r]
+            st.ns_flops = ns_work[r]
         if local_muon:
             st.ns_max_numel = max([st.ns_max_numel] + [a * b for a, b in local_muon])
             st.ns_max_min_dim = max([st.ns_max_min_dim] + [min(a, b) for a, b in local_muon])
+            st.ns_flops += sum(ns_flops(a, b, opts.ns_steps) for a, b in local_muon)
         out.append(st)
     return out
 
@@ -305,6 +352,21 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
 # ----------------------------------------------------------------------------------------------
 # bytes on the compute device
 # ----------------------------------------------------------------------------------------------
+def gathered_unit(model: ModelShapes, expert_parallel: int = 1) -> int:
+    """Elements of the largest FSDP2 unit as gathered: each layer block (or the root), its
+    expert stacks counted ``1/expert_parallel`` (FSDP2 gathers them only over the
+    expert-data-parallel group: the ep rank's own experts, ``ceil(E / ep)`` of E)."""
+    if expert_parallel <= 1 or model.moe is None:
+        return max(model.units().values(), default=0)
+    per: dict[str, int] = {}
+    for t in model.tensors:
+        unit, n = unit_name(t.name), t.numel
+        if is_expert_stack(t.name, len(t.shape)):
+            n = n // t.shape[0] * -(-t.shape[0] // expert_parallel)
+        per[unit] = per.get(unit, 0) + n
+    return max(per.values(), default=0)
+
+
 def compute_bytes(st: RankState, model: ModelShapes, opts: PlanOptions, gpu_budget: int,
                   activations: int = 0) -> tuple[dict[str, int], dict[str, int]]:
     """(GPU bytes, host bytes) of rank ``st.rank`` besides the store's pinned pool.
@@ -315,7 +377,7 @@ def compute_bytes(st: RankState, model: ModelShapes, opts: PlanOptions, gpu_budg
     the optimizer runs there.
     """
     p = opts.param_dtype.itemsize
-    unit = max(model.units().values(), default=0)
+    unit = gathered_unit(model, min(opts.expert_parallel, opts.world_size))
     seg = max(st.max_segment, 1)
     master = opts.master_weights and opts.param_dtype != FLOAT32
     scratch = 0

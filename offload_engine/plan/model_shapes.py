@@ -2,10 +2,11 @@
 
 Three inputs, told apart by content (``load_model``):
 
-- a Hugging Face ``config.json`` (families: llama, mistral, qwen2, mixtral, gpt2, gpt_neox):
-  the parameter list ``model.named_parameters()`` would yield, with the same names (tied
-  embeddings appear once, as torch de-duplicates them), computed from the architecture
-  numbers;
+- a Hugging Face ``config.json`` (families: llama, mistral, qwen2, gpt2, gpt_neox, and the
+  mixture-of-experts families mixtral, qwen2_moe, qwen3_moe, deepseek_v3 of ``moe_shapes``):
+  the parameter list ``model.named_parameters()`` would yield in transformers 5.x, with the
+  same names (tied embeddings appear once, as torch de-duplicates them), computed from the
+  architecture numbers;
 - safetensors: a ``.safetensors`` file (only its header is read: an 8-byte little-endian
   length, then that many bytes of JSON; a file cut off after its header is fine) or a
   ``model.safetensors.index.json`` (each shard's header is read the same way);
@@ -28,9 +29,17 @@ from ..formats.errors import FormatError
 from ..formats.safetensors import read_header, read_index
 from . import model_limits as limits
 from .model_file import ModelInputError, check_regular, is_size, read_model_json
+from .moe_shapes import MOE_FAMILIES, MoEInfo, moe_model
 
 # an FSDP2 unit: one block of a layer stack (fully_shard is applied per block)
 _BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|layer)\.\d+)\.")
+
+
+def unit_name(name: str) -> str:
+    """The FSDP2 unit a parameter is gathered with: its layer block (``...layers.N``), or
+    ``<root>`` (embeddings, final norm, head)."""
+    m = _BLOCK.match(name)
+    return m.group(1) if m else "<root>"
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class ModelShapes:
     source: str                   # the file it came from
     tied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
+    moe: MoEInfo | None = None    # the expert layout of a mixture-of-experts config
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -67,8 +77,7 @@ class ModelShapes:
         if key not in self._cache:
             out: dict[str, int] = {}
             for t in self.tensors:
-                m = _BLOCK.match(t.name)
-                unit = m.group(1) if m else "<root>"
+                unit = unit_name(t.name)
                 out[unit] = out.get(unit, 0) + t.numel
             self._cache[key] = out
         return dict(self._cache[key])
@@ -169,15 +178,19 @@ def from_hf_config(cfg: dict, name: str = "model", source: str = "<config>",
     family = cfg.get("model_type")
     if family is None:
         raise ModelInputError(f"{source}: config has no 'model_type'; known families: "
-                              f"{', '.join(sorted(FAMILIES))}")
+                              f"{', '.join(known_families())}")
     builder = FAMILIES.get(family)
-    if builder is None:
+    if builder is None and family not in MOE_FAMILIES:
         raise ModelInputError(f"{source}: unknown model family {family!r}; known: "
-                              f"{', '.join(sorted(FAMILIES))} (or pass a safetensors header "
+                              f"{', '.join(known_families())} (or pass a safetensors header "
                               "or a list of shapes)")
     _check_config_numbers(cfg, source, family)
+    moe = None
     try:
-        shapes, tied = builder(cfg)
+        if family in MOE_FAMILIES:
+            shapes, tied, moe = moe_model(cfg, family)
+        else:
+            shapes, tied = builder(cfg)
     except KeyError as e:
         raise ModelInputError(f"{source}: {family} config lacks {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError) as e:
@@ -186,11 +199,14 @@ def from_hf_config(cfg: dict, name: str = "model", source: str = "<config>",
     for t in tensors:
         if any(d < 0 for d in t.shape):
             raise ModelInputError(f"{source}: {t.name} would have a negative size {t.shape}")
-    return ModelShapes(name, family, check_shapes(tensors, source), source, tied)
+    return ModelShapes(name, family, check_shapes(tensors, source), source, tied, moe=moe)
 
 
 # config numbers that multiply into the length of the parameter list
-_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_local_experts")
+_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_local_experts", "num_experts",
+               "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+               "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
+               "q_lora_rank", "kv_lora_rank")
 
 
 def _check_config_numbers(cfg: dict, source: str, family: str) -> None:
@@ -205,8 +221,7 @@ def _check_config_numbers(cfg: dict, source: str, family: str) -> None:
                 raise ModelInputError(f"{source}: {family} config: {key} is {_short_shape(value)}, "
                                       f"expected an integer in [0, 2**63)")
     layers = max(int(cfg.get(k) or 0) for k in _COUNT_KEYS[:2])
-    experts = int(cfg.get("num_local_experts") or 1) if family == "mixtral" else 1
-    per_layer = 16 + 3 * experts  # tensors of one block, experts included
+    per_layer = 24  # tensors of one block at most (experts are grouped: 2 tensors per layer)
     if layers * per_layer > limits.MAX_TENSORS:
         raise ModelInputError(f"{source}: {family} config: {layers} layers of {per_layer} tensors "
                               f"each; the planner reads at most {limits.MAX_TENSORS} tensors")
@@ -221,7 +236,7 @@ def _get(cfg: dict, *keys, default=None):
     raise KeyError(keys[0])
 
 
-def _llama_like(cfg: dict, moe: bool = False, qkv_bias: bool | None = None):
+def _llama_like(cfg: dict, qkv_bias: bool | None = None):
     h = int(_get(cfg, "hidden_size"))
     layers = int(_get(cfg, "num_hidden_layers"))
     heads = int(_get(cfg, "num_attention_heads"))
@@ -244,19 +259,11 @@ def _llama_like(cfg: dict, moe: bool = False, qkv_bias: bool | None = None):
         out.append((p + "self_attn.o_proj.weight", (h, heads * head_dim)))
         if o_bias:
             out.append((p + "self_attn.o_proj.bias", (h,)))
-        if moe:
-            experts = int(_get(cfg, "num_local_experts"))
-            out.append((p + "block_sparse_moe.gate.weight", (experts, h)))
-            for e in range(experts):
-                q = p + f"block_sparse_moe.experts.{e}."
-                out += [(q + "w1.weight", (ffn, h)), (q + "w2.weight", (h, ffn)),
-                        (q + "w3.weight", (ffn, h))]
-        else:
-            for proj, shape in (("gate_proj", (ffn, h)), ("up_proj", (ffn, h)),
-                                ("down_proj", (h, ffn))):
-                out.append((p + f"mlp.{proj}.weight", shape))
-                if mlp_bias:
-                    out.append((p + f"mlp.{proj}.bias", (shape[0],)))
+        for proj, shape in (("gate_proj", (ffn, h)), ("up_proj", (ffn, h)),
+                            ("down_proj", (h, ffn))):
+            out.append((p + f"mlp.{proj}.weight", shape))
+            if mlp_bias:
+                out.append((p + f"mlp.{proj}.bias", (shape[0],)))
         out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
     out.append(("model.norm.weight", (h,)))
     if not tied:
@@ -314,11 +321,15 @@ def _gpt_neox(cfg: dict):
     return out, tied
 
 
+def known_families() -> list[str]:
+    """Every ``model_type`` a config.json may name, dense and mixture-of-experts."""
+    return sorted(set(FAMILIES) | set(MOE_FAMILIES))
+
+
 FAMILIES = {
     "llama": lambda c: _llama_like(c),
     "mistral": lambda c: _llama_like(c),
     "qwen2": lambda c: _llama_like(c, qkv_bias=True),   # q/k/v carry a bias, o_proj not
-    "mixtral": lambda c: _llama_like(c, moe=True),
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
 }

@@ -16,8 +16,10 @@ from ..store import StoreConfig
 from ..store.config import default as store_default
 from ..units import MiB
 from . import deepspeed_compat
-from .memory import (PlanOptions, RankState, classify, compute_bytes,
+from .memory import (PlanOptions, gathered_unit, RankState, classify, compute_bytes,
                      rank_states, rank_tables, store_metadata_bytes)
+from ..optim.param_rules import is_expert_stack
+from .moe_shapes import active_params
 from .model_shapes import ModelShapes
 from .placement import (HOST_PER_RANK, OS_FRACTION, Placement, TierVerdict, binding,
                         candidate_world_sizes, choose, usable_gpu, working_buckets)
@@ -111,7 +113,9 @@ def build_plan(model: ModelShapes, opts: PlanOptions, machine: Machine,
         place.working if place.home == "nvme" else place.needed) and not (
         place.home == "nvme" and not (machine.nvme_paths or machine.nvme_capacity))
 
-    p_muon = sum(t.numel for t, k in zip(model.tensors, kinds) if k == "muon")
+    # exchanged Muon elements: expert stacks are kept by the ranks holding them whole
+    p_muon = sum(t.numel for t, k in zip(model.tensors, kinds)
+                 if k == "muon" and not is_expert_stack(t.name, len(t.shape)))
     traffic = _traffic(per_rank, ios, node[worst_node], opts, machine, workload, model, states,
                        p_muon)
     config = emit_config(place, machine, opts)
@@ -164,10 +168,11 @@ def smallest_world_size(model, opts: PlanOptions, machine: Machine, workload=Non
     kinds = kinds or kinds_for(model, optimizer)
     p = opts.param_dtype.itemsize
     n_all = model.numel
-    unit = max(model.units().values(), default=0)
-    muon = [t for t, k in zip(model.tensors, kinds) if k == "muon"]
-    big = max(muon, key=lambda t: t.numel, default=None)
-    ns_min = 0 if big is None else 4 * big.numel + 4 * min(big.shape) ** 2
+    unit = gathered_unit(model, min(opts.expert_parallel, opts.world_size))
+    # the largest matrix Newton-Schulz sees: a 2-D parameter, or one expert of a stack
+    mats = [t.shape[-2:] for t, k in zip(model.tensors, kinds) if k == "muon"]
+    big = max(mats, key=lambda s: s[0] * s[1], default=None)
+    ns_min = 0 if big is None else 4 * big[0] * big[1] + 4 * min(big) ** 2
     sb = 4 if opts.master_weights and opts.param_dtype != FLOAT32 else p
     state = sum(t.numel * (sb if k == "muon" else 2 * sb) for t, k in zip(model.tensors, kinds))
     if opts.master_weights and opts.param_dtype != FLOAT32:
@@ -271,7 +276,8 @@ def _traffic(per_rank, ios, node, opts, machine: Machine, workload: Workload, mo
     t_io_mean = None if t_io[0] is None else (t_io[0] + t_io[1]) / 2
     t_comp = None
     if workload.tokens_per_step:
-        t_comp = 6 * model.numel * workload.tokens_per_step / (
+        # a token meets its active parameters only (all of them in a dense model)
+        t_comp = 6 * active_params(model.tensors, model.moe) * workload.tokens_per_step / (
             (workload.compute_ranks or opts.world_size) * workload.gpu_tflops * 1e12 * workload.mfu)
     step_s, step_source = workload.step_time_s, "given"
     if step_s is None and t_comp is not None:
@@ -298,6 +304,9 @@ def _traffic(per_rank, ios, node, opts, machine: Machine, workload: Workload, mo
             "calls": max(s.a2a_calls for s in states),
             "design_formula": int(4 * (opts.world_size - 1) / opts.world_size * p_muon
                                   / opts.world_size)},
+        "newton_schulz_flops_per_step_per_rank": {
+            "max": max(s.ns_flops for s in states),
+            "mean": sum(s.ns_flops for s in states) // len(states)},
         "drive_writes_per_day": None if dwpd is None else round(dwpd, 3),
         "dwpd_rating": machine.dwpd_rating,
         "endurance_ok": None if dwpd is None else dwpd <= machine.dwpd_rating,
@@ -317,7 +326,20 @@ def _model_summary(model: ModelShapes, kinds, st: RankState, opts: PlanOptions) 
             "largest_layer_params": model.largest_layer(),
             "largest_fsdp_unit_params": max(units.values(), default=0),
             "state_bytes_per_param": round(state_bytes / total, 4) if total else 0.0,
+            "moe": _moe_summary(model),
             "notes": list(model.notes)}
+
+
+def _moe_summary(model: ModelShapes) -> dict | None:
+    """Experts per MoE layer, experts per token, and the parameters a token uses (active)."""
+    if model.moe is None:
+        return None
+    stacks = [t for t in model.tensors if is_expert_stack(t.name, len(t.shape))]
+    return {"experts": model.moe.experts, "experts_per_token": model.moe.top_k,
+            "moe_layers": model.moe.moe_layers, "shared_experts": model.moe.shared_experts,
+            "hidden_size": model.moe.hidden,
+            "expert_stacks": len(stacks), "params_routed_experts": sum(t.numel for t in stacks),
+            "params_active": active_params(model.tensors, model.moe)}
 
 
 def _state_summary(st: RankState, homes) -> dict:

@@ -287,15 +287,20 @@ def test_text_output_names_every_tier(capsys):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8, 64])
-def test_rank_states_equal_zero_muons_own_layout_and_exchange_plan_per_rank(world):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_rank_states_equal_zero_muons_own_layout_and_exchange_plan_per_rank(world, family):
     """The planner groups identical ranks and sums owners' shares; this compares it, rank by
-    rank, with ZeroMuon's build_layout and comm.plan_exchange on every rank's full rows."""
-    from offload_engine.optim.comm import plan_exchange
-    from offload_engine.optim.owners import assign_owners
+    rank, with ZeroMuon's build_layout, its matrices (one per expert of a stack, kept by the
+    rank holding it whole), its owners and comm.plan_exchange on every rank's full rows."""
+    from offload_engine.optim.comm import plan_exchange, plan_matrices
+    from offload_engine.optim.owners import assign_owners, ns_flops
     from offload_engine.plan.memory import param_infos, rank_layout
-    shapes = from_hf_config({"model_type": "llama", "hidden_size": 96, "intermediate_size": 200,
-                             "num_hidden_layers": 3, "num_attention_heads": 6,
-                             "num_key_value_heads": 2, "vocab_size": 301})
+    cfg = {"model_type": family, "hidden_size": 96, "intermediate_size": 200,
+           "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+           "vocab_size": 301}
+    if family == "qwen3_moe":  # 5 experts: whole experts on the first ranks, none on others
+        cfg.update(num_experts=5, moe_intermediate_size=40, num_experts_per_tok=2, head_dim=16)
+    shapes = from_hf_config(cfg)
     opts = PlanOptions(world_size=world, bucket_bytes=16384, master_weights=world % 2 == 1)
     states = rank_states(shapes, opts)
     infos = param_infos(shapes, opts)  # every rank's rows
@@ -305,18 +310,24 @@ def test_rank_states_equal_zero_muons_own_layout_and_exchange_plan_per_rank(worl
         assert {n: (a.dtype, a.numel) for n, a in layout.arrays.items()} == {
             n: (a.dtype, a.numel) for n, a in st.arrays.items()}
         muon = [c for c in layout.bundles if c.kind == "muon"]
-        dist = [c for c in muon if c.distributed and world > 1]
-        owners = assign_owners([[infos[p].shape for p in c.params] for c in dist], world, 5)
+        spread = lambda c: c.distributed and world > 1
+        mats = {c.index: plan_matrices([infos[p] for p in c.params], world, spread(c))
+                for c in muon}
+        dist = [c for c in muon if spread(c)]
+        owners = assign_owners([[(m.rows, m.cols) for m in mats[c.index]] for c in dist], world,
+                               5, candidates=[[m.candidates for m in mats[c.index]] for c in dist])
         owner_of = {c.index: o for c, o in zip(dist, owners)}
         plans = [plan_exchange([infos[p] for p in c.params],
-                               owner_of.get(c.index, [r] * len(c.params)), r, world, c.distributed)
+                               owner_of.get(c.index, [r] * len(mats[c.index])), r, world,
+                               c.distributed)
                  for c in muon]
-        assert st.send_max == max((pl.send_numel for pl in plans), default=0)
+        assert st.send_max == max((pl.send_total for pl in plans), default=0)
         assert st.recv_max == max((pl.recv_numel for pl in plans if not pl.local), default=0)
         sent = sum(2 * (pl.send_numel - pl.send_splits[r] + pl.recv_numel - pl.recv_splits[r])
                    for pl in plans if not pl.local)
         assert st.a2a_sent == st.a2a_received == sent
-        owned = [m for pl in plans for m in pl.owned]
+        owned = [m for pl in plans for m in pl.owned + pl.kept]
         assert st.ns_max_numel == max((m.rows * m.cols for m in owned), default=0)
         assert st.ns_max_min_dim == max((min(m.rows, m.cols) for m in owned), default=0)
+        assert st.ns_flops == sum(ns_flops(m.rows, m.cols, 5) for m in owned)
         assert st.local_numel == sum(i.local_numel(r if world > 1 else 0) for i in infos)
