@@ -57,7 +57,8 @@ class PowerCutModel:
         self.by_ino: dict[int, Node] = {}
         self.committed: list[str] = []        # generations reported committed, in order
         self.commit_order: list[str] = []     # generations as their commit renames happened
-        self.final: dict[str, dict] = {}      # a generation's tree when it left its name
+        self.final: dict[str, tuple] = {}     # name -> (folder, tree) of its newest commit
+        self.commits: dict[int, tuple] = {}   # folder id -> (folder, tree) of every commit
         self.violations: list[str] = []
         self.synced: list[int] = []           # the node of each sync applied, in order
 
@@ -116,6 +117,7 @@ class PowerCutModel:
             if os.path.dirname(line["dst"]) == self.ckpt and _is_generation(to_name):
                 self.commit_order.append(to_name)   # the commit: the tree is final now
                 self.final[to_name] = (node, _tree(node, durable=False))
+                self.commits[node.id] = self.final[to_name]
         elif op in ("unlink", "rmtree"):
             parent, name = self._parent(line["path"])
             node = parent.entries.pop(name, None)
@@ -170,14 +172,27 @@ class PowerCutModel:
         cut now. Every directory's entries and every file's data must be the committed ones
         both as they are durable and as they are now (which may reach the disk early), so
         no mix of the two tears it; so must its entry in the checkpoint folder when
-        ``required`` (else each entry there must be the committed folder)."""
+        ``required``, as its newest commit (else whichever folder holds the name must be a
+        whole commit of it: an orphan being set aside is one)."""
         if gen not in self.final:
             return f"{gen} was never committed"
+        if not required:
+            for node in {n for n in (durable.get(gen), live.get(gen)) if n is not None}:
+                if node.id not in self.commits:
+                    return f"{gen}: a folder never committed holds the name"
+                problem = self._torn(gen, *self.commits[node.id])
+                if problem:
+                    return problem
+            return None
         top, tree = self.final[gen]
-        if durable.get(gen, None if required else top) is not top:
+        if durable.get(gen) is not top:
             return f"{gen} is not durable in the checkpoint folder"
-        if live.get(gen, None if required else top) is not top:
+        if live.get(gen) is not top:
             return f"{gen} is no longer in the checkpoint folder (that may reach the disk)"
+        return self._torn(gen, top, tree)
+
+    def _torn(self, gen: str, top: Node, tree: dict) -> str | None:
+        """Why committed folder ``top`` (``tree`` as committed) could be torn now."""
         dirs = {"": top} | {p: n for p, (n, _) in tree.items() if n.kind == "dir"}
         want: dict[str, dict] = {p: {} for p in dirs}
         for path, (node, version) in tree.items():
@@ -283,19 +298,18 @@ def sync_sites(lines: list[dict]) -> dict[str, set[int]]:
 
 def idle_syncs(lines: list[dict], ckpt: str) -> list[str]:
     """The sync sites of a run that no power cut needs: leaving out every call of the site
-    breaks nothing, nor does leaving out, with it, the other sites that synced the same
-    files or folders (a file fsynced twice, by its writer and again before the commit, is
-    needed once: dropping both calls is a violation)."""
+    breaks nothing, nor does leaving it out together with any other such site that synced
+    the same file or folder (a file fsynced at two sites, by its writer and again before
+    the commit, needs one of them: leaving out both is a violation)."""
     sites = sync_sites(lines)
+    alone = [site for site in sites
+             if not replay(lines, ckpt, drop=lambda line: sync_site(line) == site).violations]
     idle = []
-    for site, nodes in sites.items():
-        if replay(lines, ckpt, drop=lambda line: sync_site(line) == site).violations:
-            continue
-        twins = {s for s, n in sites.items() if n & nodes}
-        if len(twins) > 1 and replay(lines, ckpt,
-                                     drop=lambda line: sync_site(line) in twins).violations:
-            continue
-        idle.append(site)
+    for site in alone:
+        twins = [t for t in alone if t != site and sites[t] & sites[site]]
+        if not any(replay(lines, ckpt, drop=lambda line: sync_site(line) in (site, t)).violations
+                   for t in twins):
+            idle.append(site)
     return idle
 
 
