@@ -15,13 +15,13 @@ over, and whose logits equal the trained model's, bit for bit (fp32).
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 from offload_engine.checkpoint import load_checkpoint, save_checkpoint
 from offload_engine.cli.main import main
+from offload_engine.offline.inspect_stats import single_thread as one_thread  # as the ranks ran
 from offload_engine.optim import ZeroMuon
 
 from helpers.checkpoint_runs import store
@@ -78,18 +78,6 @@ def reshard_w3(rank, world, mesh, tmp):
         save_checkpoint(os.path.join(tmp, "ckpt_w3"), model, opt, step=STEPS)
     if rank == 0:
         model.config.save_pretrained(os.path.join(tmp, "ckpt_w3"))
-
-
-@contextmanager
-def one_thread():
-    """The ranks ran with one thread each: so does the reference forward (the blocking of
-    a CPU matmul may follow the thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_moe_run_reshards_w2_w3_w1_and_consolidates_for_from_pretrained(tmp_path):
