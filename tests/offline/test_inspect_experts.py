@@ -172,3 +172,12 @@ def test_per_expert_names_of_every_spelling(tmp_path, capsys):
     rc, out, err = run_cli(["inspect", st, "--expert", 1, "--json"], capsys)
     assert rc == 0, err
     assert sorted(r["name"] for r in json.loads(out)["tensors"]) == sorted([names[0], names[2]])
+
+
+def test_inspect_text_names_the_expert(checkpoint, capsys):
+    root, _ = checkpoint
+    rc, out, err = run_cli(["inspect", root, "--expert", 3], capsys)
+    assert rc == 0, err
+    assert "expert      3 (a stack's slice is listed as NAME[3])" in out
+    row = next(line for line in out.splitlines() if line.startswith(f"{W2}[3]"))
+    assert row.split()[1:3] == ["[4,", "6]"] and "exp_avg_sq" in row
