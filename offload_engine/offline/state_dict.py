@@ -29,7 +29,7 @@ from .consolidate import (ConsolidateResult, Written, consolidate, output_dtype,
                           written_aliases, written_tensors)
 from .hf_extras import copy_extras, find_extras
 from .hf_shards import parse_size
-from ..errors import InputError
+from ..errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,19 @@ def read_value(source: TensorSource, info: Written, dtype=FLOAT32, start_row: in
 
 
 def get_fp32_state_dict(path: str, tag: str | None = None, exclude_frozen: bool = False,
-                        lazy: bool = False) -> dict | "LazyStateDict":
+                        lazy: bool = False, *, exclude_frozen_parameters: bool | None = None,
+                        lazy_mode: bool | None = None) -> dict | "LazyStateDict":
     """Every weight of the checkpoint at ``path`` as ``{name: CPU tensor}``, in the
     checkpoint's order, tied names last and sharing their owner's tensor.
 
     ``tag``: the generation or DeepSpeed tag to read (default: the one ``latest`` names).
     ``exclude_frozen``: leave out parameters that had ``requires_grad=False``.
     ``lazy``: return a ``LazyStateDict`` instead, which reads a tensor each time it is
-    looked up (memory: one tensor; close it, or use it as a context manager)."""
+    looked up (memory: one tensor; close it, or use it as a context manager).
+    ``exclude_frozen_parameters``, ``lazy_mode``: DeepSpeed's spellings of the two, also
+    accepted (``get_fp32_state_dict_from_zero_checkpoint`` is DeepSpeed's function itself)."""
+    exclude_frozen = _either("exclude_frozen", exclude_frozen, exclude_frozen_parameters)
+    lazy = _either("lazy", lazy, lazy_mode)
     source = open_weights(path, tag)
     if lazy:
         return LazyStateDict(source, exclude_frozen)
@@ -83,6 +88,15 @@ def get_fp32_state_dict(path: str, tag: str | None = None, exclude_frozen: bool 
         for alias, owner in written_aliases(source, exclude_frozen).items():
             out[alias] = out[owner]
     return out
+
+
+def _either(name: str, ours: bool, deepspeeds: bool | None) -> bool:
+    """A flag given under our name or DeepSpeed's; UsageError when both disagree."""
+    if deepspeeds is None:
+        return ours
+    if ours and not deepspeeds:
+        raise UsageError(f"{name}=True contradicts its DeepSpeed spelling set to False")
+    return bool(deepspeeds)
 
 
 class LazyStateDict(Mapping):
