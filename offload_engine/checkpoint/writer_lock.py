@@ -95,7 +95,8 @@ def hold_for(ckpt_dir: str, owner) -> WriterLock:
         if entry is not None and entry[0].held and not _same_file(
                 entry[0].fd, os.path.join(ckpt_dir, WRITER_LOCK)):
             # the folder was removed and made again (its inode number reused): the lock held
-            # is the old file's; take the new one's for the same owners
+            # is the old file's; take the new one's for the same owners (none if refused)
+            del _held[key]
             entry[0].release()
             entry = _held[key] = (_acquire(ckpt_dir), entry[1])
         if entry is None:

@@ -168,3 +168,19 @@ def test_an_odd_file_at_the_locks_name_is_refused(tmp_path, planted):
     with pytest.raises(LockFileError, match="writer lock"):
         hold_for(str(ck), torch.nn.Linear(1, 1))
     assert target.read_text() == "keep me"
+
+
+def test_a_folder_removed_and_made_again_is_locked_anew(tmp_path):
+    import shutil
+    ck = tmp_path / "ck"
+    owner = torch.nn.Linear(1, 1)
+    hold_for(str(ck), owner)
+    shutil.rmtree(ck)  # its inode number may be reused by the new folder (tmpfs does)
+    lock = hold_for(str(ck), owner)
+    assert lock.held
+    fd = os.open(ck / WRITER_LOCK, os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: by this process's lock
+    finally:
+        os.close(fd)
