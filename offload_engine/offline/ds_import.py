@@ -28,6 +28,7 @@ from ..dtypes import DType, dtype as as_dtype
 from ..formats.deepspeed import DeepSpeedSource
 from ..formats.deepspeed.files import resolve_tag_dir
 from ..formats.errors import FormatError
+from ..jsonlimits import read_json_file
 from ..formats.source import ReadRequest
 from .import_plan import Disagreement, TensorPlan, plan_tensors
 from .import_writer import WINDOW_BYTES, write_generation
@@ -35,6 +36,7 @@ from ..errors import InputError
 
 IMPORTED = "imported"        # the generation attribute holding what the import carried over
 OFFLOADED = "offloaded_tensors"  # where DeepSpeed copies its NVMe swap files at save time
+MAX_MODEL_CONFIG_BYTES = 16 << 20  # a Hugging Face config.json is a few KB; read whole
 
 
 @dataclass
@@ -53,6 +55,7 @@ class ImportSummary:
     adamw: list[str] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
     disagreements: list[Disagreement] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)   # {alias: owner}, as recorded
     notes: list[str] = field(default_factory=list)
     run_state: dict = field(default_factory=dict)
     bytes_written: int = 0
@@ -69,11 +72,8 @@ def model_dtype(model_config: str | None) -> DType | None:
     ``dtype``); None without a file or without the key."""
     if model_config is None:
         return None
-    try:
-        with open(model_config) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{model_config}: cannot read the model config ({e})") from None
+    cfg = read_json_file(model_config, MAX_MODEL_CONFIG_BYTES, what="model config",
+                         error=FormatError)  # strict and bounded: docs/untrusted-input.md
     name = cfg.get("torch_dtype", cfg.get("dtype")) if isinstance(cfg, dict) else None
     if name is None:
         return None
@@ -163,8 +163,10 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
             src.read([ReadRequest(plan.name, lo, buf, state.source)])
             return buf if stored == state.dtype else buf.to(state.dtype.torch)
 
+        tied = _tied(src.aliases(), plans)
+        attrs = {IMPORTED: imported, **({"aliases": tied} if tied else {})}
         written = _one_torch_thread(lambda: write_generation(
-            out, step, world_size, plans, read, {IMPORTED: imported},
+            out, step, world_size, plans, read, attrs,
             window_bytes=window_bytes, progress=progress))
         trainable = [p for p in plans if p.kind == "param"]
         return ImportSummary(
@@ -174,8 +176,35 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
             muon=[p.name for p in trainable if p.optimizer == "muon"],
             adamw=[p.name for p in trainable if p.optimizer == "adamw"],
             other=[p.name for p in plans if p.kind != "param"],
-            disagreements=disagreements, notes=notes, run_state=run_state,
+            disagreements=disagreements, tied=tied, notes=notes, run_state=run_state,
             bytes_written=written.bytes_written, seconds=time.perf_counter() - t0)
+
+
+def _tied(aliases: dict[str, str], plans: list[TensorPlan]) -> dict[str, str]:
+    """DeepSpeed's tied names (``shared_params``: the output head sharing the embedding)
+    as the checkpoint's ``aliases``, which ``save_checkpoint`` records for a tied model:
+    consolidate then writes the name (recorded as tied, as from the DeepSpeed checkpoint
+    itself) and ``load_checkpoint`` finds the parameter under either name."""
+    written = {p.name for p in plans}
+    return {a: o for a, o in aliases.items() if o in written and a not in written}
+
+
+def disagreement_summary(disagreements: list[Disagreement], most: int = 3) -> list[str]:
+    """One line per kind of disagreement (DeepSpeed's optimizer, ZeroMuon's default) with
+    its count and the first ``most`` names: a plain AdamW run of 8 layers disagrees on its
+    48 matrices, which one line per matrix buried. Every name is in ``--verbose`` and
+    ``--json`` (``ImportSummary.disagreements``)."""
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for d in disagreements:
+        kinds.setdefault((d.deepspeed, d.default), []).append(d.name)
+    lines = []
+    for (deepspeed, default), names in kinds.items():
+        shown = ", ".join(names[:most]) + (f" and {len(names) - most} more"
+                                           if len(names) > most else "")
+        count = f"{len(names)} parameter{'s' if len(names) != 1 else ''}"
+        lines.append(f"{count} used {deepspeed} in the DeepSpeed run where ZeroMuon's "
+                     f"default rule picks {default}; imported as {deepspeed} ({shown})")
+    return lines
 
 
 def _one_torch_thread(fn):

@@ -10,6 +10,7 @@ be an integer (``is_size``): ``hidden_size: 4096.5`` is refused, not truncated t
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -25,8 +26,13 @@ class ModelInputError(InputError):
 def read_model_json(path: str):
     """The strict JSON document at ``path`` (see the module's docstring); ``ModelInputError``
     naming the file otherwise."""
-    return read_json_file(path, limits.MAX_JSON_BYTES, what="model description",
-                          error=ModelInputError, max_values=limits.MAX_JSON_VALUES)
+    doc = read_json_file(path, limits.MAX_JSON_BYTES, what="model description",
+                         error=ModelInputError, max_values=limits.MAX_JSON_VALUES)
+    if isinstance(doc, dict) and "model_type" in doc and not isinstance(doc["model_type"], str):
+        # the family is looked up by it: a list or an object there is not a config
+        raise ModelInputError(f"{path}: model_type must be a string naming the model family, "
+                              f"got {json.dumps(doc['model_type'])[:60]}")
+    return doc
 
 
 def check_regular(path: str) -> None:

@@ -7,16 +7,18 @@ Sizes take ints or strings such as "8GiB" / "5GB". A config loads from a dict or
 from __future__ import annotations
 
 import fnmatch
-import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ValidationError, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ..units import PAGE, GiB, MiB, parse_bytes
 from ..errors import InputError
+from ..jsonlimits import read_json_file
 
 Tier = Literal["gpu", "cpu", "nvme"]
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+# Bytes of a store config file read (``from_file``): real ones are well under 1 KB.
+MAX_CONFIG_BYTES = 1 * MiB
 
 
 class StoreConfig(BaseModel):
@@ -100,12 +102,9 @@ class StoreConfig(BaseModel):
 
     @classmethod
     def from_file(cls, path: str) -> "StoreConfig":
-        """Load and validate a JSON config file; errors name the file."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}: not valid JSON: {e}") from None
+        """Load and validate a JSON config file: strict JSON of at most ``MAX_CONFIG_BYTES``
+        from a regular file (``jsonlimits``: no NaN, no deep nesting); errors name the file."""
+        data = read_json_file(path, MAX_CONFIG_BYTES, what="store config")
         return cls.load(data, source=path)
 
 

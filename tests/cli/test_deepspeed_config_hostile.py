@@ -137,3 +137,18 @@ def test_a_key_with_control_characters_is_printed_escaped(tmp_path, capsys):
     assert main(["config", "from-deepspeed", str(path)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\u001b[2Jevil" in out
+
+
+def test_the_store_config_it_writes_is_read_back_strictly(tmp_path):
+    """StoreConfig.from_file (what --out is loaded with) reads the same strict JSON."""
+    from offload_engine.errors import InputError
+    from offload_engine.store.config import StoreConfig
+
+    path = tmp_path / "store.json"
+    path.write_text('{"cpu_budget": 1048576, "acquire_timeout_s": NaN}')
+    with pytest.raises(InputError, match="acquire_timeout_s: NaN"):
+        StoreConfig.from_file(str(path))
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="FIFO"), alarm_within(20):
+        StoreConfig.from_file(str(fifo))

@@ -74,3 +74,16 @@ def test_a_fifo_among_a_folders_safetensors_is_refused(tmp_path, capsys):
 def test_dev_zero_is_refused(capsys):
     with pytest.raises(ModelInputError, match="character device"), alarm_within(20):
         load_model("/dev/zero")
+
+
+
+def test_a_mesh_file_is_read_strictly(tmp_path, capsys):
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(LLAMA))
+    mesh = tmp_path / "mesh.json"
+    for text, word in (('{"data_parallel_shard_degree": NaN}', "NaN"),
+                       ('{"parallelism": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested")):
+        mesh.write_text(text)
+        rc = main(["plan", "--model", str(model), "--world-size", "8", "--mesh", str(mesh)])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and str(mesh) in err and word in err, (rc, err)
