@@ -184,3 +184,30 @@ def test_a_folder_removed_and_made_again_is_locked_anew(tmp_path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: by this process's lock
     finally:
         os.close(fd)
+
+
+def test_a_file_system_that_cannot_lock_saves_with_a_warning_and_sweeps_nothing(
+        tmp_path, monkeypatch, caplog):
+    import errno
+    import logging
+    from offload_engine.checkpoint import writer_lock
+
+    class NoLocks:  # fcntl on a file system mounted without locking (Lustre, NFS nolock)
+        LOCK_EX, LOCK_NB, LOCK_UN = fcntl.LOCK_EX, fcntl.LOCK_NB, fcntl.LOCK_UN
+
+        @staticmethod
+        def flock(fd, op):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(writer_lock, "fcntl", NoLocks)
+    ck = str(tmp_path / "ck")
+    os.makedirs(os.path.join(ck, "step-00000009.partial"))  # a live writer's, for all we know
+    model, opt = fresh_model(str(tmp_path / "writer"))
+    with caplog.at_level(logging.WARNING):
+        for step in (1, 2, 3):
+            train(model, opt, [step])
+            save_checkpoint(ck, model, opt, step, keep_last=1)
+    opt.close()
+    warned = [r for r in caplog.records if "without a writer lock" in r.message]
+    assert len(warned) == 1  # once for the run, not at every save
+    assert sorted(os.listdir(ck)) == [WRITER_LOCK, "latest", "step-00000003",
+                                      "step-00000009.partial"]
