@@ -27,12 +27,12 @@ already.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import InputError
+from ..jsonlimits import read_json_file
 from ..formats.source import ReadRequest, TensorMeta, TensorSource
 from .experts import expert_count, sliced_meta, state_offset
 
@@ -67,17 +67,8 @@ def family_of(model_type: str | None) -> str | None:
 def read_config(path: str) -> dict:
     """A config.json as a dict; InputError naming the file when it is not one (or is over
     4 MiB: a config is a few KiB, and a checkpoint's files may come from anyone)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_CONFIG_MAX_BYTES + 1)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(data) > _CONFIG_MAX_BYTES:
-        raise InputError(f"{path}: over {_CONFIG_MAX_BYTES} bytes: not a model config")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not JSON: {e}") from None
+    # strict and bounded (jsonlimits): a FIFO, /dev/zero, NaN or deep nesting is refused
+    doc = read_json_file(path, _CONFIG_MAX_BYTES, what="model config")
     if not isinstance(doc, dict):
         raise InputError(f"{path}: not a JSON object")
     return doc

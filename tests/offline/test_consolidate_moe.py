@@ -169,7 +169,7 @@ def test_auto_keeps_stacks_of_an_unknown_model_type(tmp_path, capsys):
     assert main(["consolidate", src, str(tmp_path / "out2"), "--experts", "grouped",
                  "--no-copy-config"]) == 0
     err = _refused(tmp_path / "again", src, capsys)  # auto reads it: one line naming it
-    assert "config.json: not JSON" in err
+    assert "config.json: not valid JSON" in err
 
 
 @pytest.mark.parametrize("experts", [4, 512])
