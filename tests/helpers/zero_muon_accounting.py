@@ -30,6 +30,16 @@ def forbid_other_collectives():
     return saved
 
 
+def step_only_all_to_all(opt) -> None:
+    """``opt.step()`` with every collective but all_to_all_single raising."""
+    saved = forbid_other_collectives()
+    try:
+        opt.step()
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 def bucket_sizes(store):
     sizes = {}
     for name, arr in store.arrays().items():

@@ -141,10 +141,12 @@ class SliceReference:
         return {}
 
 
-def check_parity(opt, model, sref: SliceReference, where: str, masters: bool = False) -> None:
-    """This rank's part of every parameter and every state tensor equals the reference's,
-    bit for bit. ``masters``: the reference ran in fp32 on the upcast gradients; ZeroMuon's
-    masters equal it and its bf16 parameters are that rounded."""
+def check_parity(opt, model, sref: SliceReference, where: str, masters: bool = False,
+                 only=None) -> None:
+    """This rank's part of every parameter (those named in ``only``, when given) and every
+    state tensor equals the reference's, bit for bit. ``masters``: the reference ran in fp32
+    on the upcast gradients; ZeroMuon's masters equal it and its bf16 parameters are that
+    rounded."""
     from torch.distributed.tensor import DTensor
     ref_params = dict(sref.ref.named_parameters())
     mine = lambda t, p: t.to_local() if isinstance(t, DTensor) else t
@@ -152,6 +154,8 @@ def check_parity(opt, model, sref: SliceReference, where: str, masters: bool = F
     sd = opt.state_dict()
     index = {info.name: info.index for info in opt.infos}
     for name, p in model.named_parameters():
+        if only is not None and name not in only:
+            continue
         q = ref_params[name].detach()
         expect = want(q, p)
         got = mine(p, p)
@@ -174,13 +178,17 @@ def check_parity(opt, model, sref: SliceReference, where: str, masters: bool = F
 
 # -- placements ----------------------------------------------------------------------------------
 class ExpertBag(nn.Module):
-    """Parameters only: ``experts.<name>`` stacks ([E, out, in]) and ``dense.<name>`` others,
-    for the placement tests, which set gradients directly (``harness.set_grads``)."""
+    """Parameters only: ``experts.<name>`` stacks ([E, out, in]) and one module per dense
+    parameter, ``dense.<name>.weight`` (so that the rule sees ``embed_tokens`` and
+    ``lm_head`` as modules: AdamW), for the placement tests, which set gradients directly
+    (``harness.set_grads``)."""
 
     def __init__(self, experts: dict, dense: dict, seed: int = 0):
         super().__init__()
         from helpers.zero_muon_harness import Bag
-        self.dense = Bag(dense, seed)
+        self.dense = nn.Module()
+        for i, (name, shape) in enumerate(dense.items()):
+            self.dense.add_module(name, Bag({"weight": shape}, seed + 2 + i))
         self.experts = Bag(experts, seed + 1)
 
 
@@ -200,12 +208,12 @@ def even_shapes(experts: int) -> tuple[dict, dict]:
     return ({"w1": (experts, 8, 8), "w2": (experts, 8, 8)}, {f"w{i}": (8, 8) for i in range(4)})
 
 
-def distribute_(module: nn.Module, mesh, placements, names=None) -> None:
-    """Replace ``module``'s own parameters (those in ``names``, default all) by DTensors on
-    ``mesh`` with ``placements`` (a dict name -> placements, or one for all)."""
+def distribute_(module: nn.Module, mesh, placements) -> None:
+    """Replace the parameters of ``module`` and its children by DTensors on ``mesh`` with
+    ``placements``: one for all, or a dict from the child's name (or the parameter's name
+    for ``module``'s own) to placements."""
     from torch.distributed.tensor import distribute_tensor
-    for n, p in list(module.named_parameters(recurse=False)):
-        if names is not None and n not in names:
-            continue
-        pl = placements[n] if isinstance(placements, dict) else placements
-        module.register_parameter(n, nn.Parameter(distribute_tensor(p.detach(), mesh, pl)))
+    for mod_name, mod in list(module.named_modules()):
+        for n, p in list(mod.named_parameters(recurse=False)):
+            pl = placements[mod_name or n] if isinstance(placements, dict) else placements
+            mod.register_parameter(n, nn.Parameter(distribute_tensor(p.detach(), mesh, pl)))

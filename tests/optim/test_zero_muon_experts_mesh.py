@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from offload_engine.optim import ZeroMuon
 from offload_engine.optim.owners import ns_flops
-from helpers.zero_muon_accounting import expected_bytes, forbid_other_collectives, gathered_boxes
+from helpers.zero_muon_accounting import expected_bytes, gathered_boxes, step_only_all_to_all
 from helpers.zero_muon_experts import (MoE, ExpertBag, SliceReference, check_parity,
                                        distribute_, even_shapes, odd_shapes)
 from helpers.zero_muon_harness import set_grads, spawn, spawn_mesh
@@ -40,7 +40,7 @@ MUON_KW, ADAMW_KW = dict(lr=0.02, weight_decay=0.1), dict(lr=3e-3, weight_decay=
 
 
 def run_steps(rank, world, model, ref, where, tmp, store_kind="cpu", masters=False,
-              closed_form=None):
+              closed_form=None, only=None):
     """Three steps of ZeroMuon and the per-expert reference on gradients set directly:
     parity after each, all_to_all bytes as the boxes and owners say (and ``closed_form``
     when given), no other collective, Newton-Schulz shared out (at most a share plus one
@@ -51,8 +51,8 @@ def run_steps(rank, world, model, ref, where, tmp, store_kind="cpu", masters=Fal
     else:   # the state goes through a pool smaller than it
         cfg = {"nvme_paths": [os.path.join(tmp, where)], "bucket_bytes": KiB,
                "cpu_budget": 10 * KiB, "prefetch_depth": 1}
-    opt = ZeroMuon(model.named_parameters(), **MUON_KW, adamw=ADAMW_KW, store=cfg,
-                   master_weights=masters)
+    named = [(n, p) for n, p in model.named_parameters() if only is None or n in only]
+    opt = ZeroMuon(named, **MUON_KW, adamw=ADAMW_KW, store=cfg, master_weights=masters)
     sref = SliceReference(ref, MUON_KW, ADAMW_KW)
     try:
         if store_kind != "cpu":
@@ -62,16 +62,12 @@ def run_steps(rank, world, model, ref, where, tmp, store_kind="cpu", masters=Fal
             if masters:   # the reference runs in fp32 on the gradients ZeroMuon upcasts
                 for q in ref.parameters():
                     q.grad = q.grad.bfloat16().float()
-            saved = forbid_other_collectives()
-            try:
-                opt.step()
-            finally:
-                for name, fn in saved.items():
-                    setattr(dist, name, fn)
+            step_only_all_to_all(opt)
             sref.step()
             opt.zero_grad()
             sref.zero_grad()
-            check_parity(opt, model, sref, f"{where} rank {rank} step {step}", masters=masters)
+            check_parity(opt, model, sref, f"{where} rank {rank} step {step}", masters=masters,
+                         only=only)
             st = opt.last_step_stats
             assert (st.a2a_bytes_sent, st.a2a_bytes_received) == expected_bytes(opt, boxes, rank), where
             if closed_form is not None:
@@ -87,17 +83,23 @@ def run_steps(rank, world, model, ref, where, tmp, store_kind="cpu", masters=Fal
 
 def check_ns_share(opt, where: str) -> None:
     """Each matrix of a distributed parameter is orthogonalized by exactly one rank, and no
-    rank does more than its share of the work plus one matrix."""
-    mine = [(m.param, m.expert, ns_flops(m.rows, m.cols)) for c in opt.layout.bundles
-            if c.kind == "muon" and c.distributed for m in opt.plans[c.index].owned
-            + opt.plans[c.index].kept]
+    rank does more than its share of the work plus one matrix, or, where the whole experts
+    it holds are already more than its share (5 experts on 2 ranks), more than those plus
+    one matrix."""
+    muon = [c for c in opt.layout.bundles if c.kind == "muon" and c.distributed]
+    mine = [[(m.param, m.expert, ns_flops(m.rows, m.cols)) for c in muon
+             for m in getattr(opt.plans[c.index], kind)] for kind in ("owned", "kept")]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    done = [(p, e) for work in every for p, e, _ in work]
+    done = [(p, e) for work in every for part in work for p, e, _ in part]
     assert len(done) == len(set(done)), f"{where}: a matrix orthogonalized twice"
-    loads = [sum(f for *_, f in work) for work in every]
-    biggest = max(f for work in every for *_, f in work)
-    assert max(loads) <= sum(loads) / len(loads) + biggest, (where, loads, biggest)
+    owned = [sum(f for *_, f in work[0]) for work in every]
+    kept = [sum(f for *_, f in work[1]) for work in every]
+    loads = [a + b for a, b in zip(owned, kept)]
+    biggest = max(f for work in every for part in work for *_, f in part)
+    share = sum(loads) / len(loads)
+    for r, load in enumerate(loads):
+        assert load <= max(share, kept[r]) + biggest, (where, r, owned, kept, biggest)
 
 
 def bag_pair(experts: dict, dense: dict, dtype=torch.float32):
@@ -184,6 +186,17 @@ def ep_worker(rank, world, mesh, tmp):
     st = run_steps(rank, world, model, ref, "ep2_even", tmp,
                    closed_form=4 * (world - 1) * p_dense // world // world)
     assert st.ns_calls == 2 * 4 // world + 4 // world   # its experts of each stack, 2 dense
+    # per-expert Linear weights (Hugging Face 4.x, DeepSpeed): each rank gives the optimizer
+    # its own 3 of 6 experts, plain tensors it orthogonalizes itself; dense layers FSDP
+    model = ExpertBag({}, odd_shapes(6)[1])
+    model.experts = torch.nn.ModuleList(ExpertBag({}, {"w1": (6, 8), "w2": (8, 6)}, seed=e).dense
+                                        for e in range(6))   # experts.{e}.w1.weight
+    ref = copy.deepcopy(model)
+    fully_shard(model.dense, mesh=mesh)
+    only = {n for n, _ in model.named_parameters()
+            if not n.startswith("experts.") or int(n.split(".")[1]) // 3 == rank}
+    st = run_steps(rank, world, model, ref, "ep2_list", tmp, only=only)
+    assert st.ns_calls == 3 * 2 + 1, st.ns_calls        # its 6 expert matrices + 1 of 2 dense
 
 
 def test_expert_parallel_ep2_bitwise_parity_and_bytes(tmp_path):

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from offload_engine.optim import ZeroMuon
-from helpers.zero_muon_accounting import (check_store_pass, expected_bytes, forbid_other_collectives,
-                                         gathered_boxes)
+from helpers.zero_muon_accounting import (check_store_pass, expected_bytes, gathered_boxes,
+                                         step_only_all_to_all)
 from helpers.zero_muon_harness import Bag, set_grads, spawn, spawn_mesh
 from helpers.zero_muon_meshes import fsdp_tp, hsdp, tp
 
@@ -48,12 +48,7 @@ def check_step_counters(rank, world, model, ref, tmp, even_s=None):
         before = None
         for step in range(3):
             set_grads(model, ref, step, rank, world)
-            saved = forbid_other_collectives()
-            try:
-                opt.step()
-            finally:
-                for name, fn in saved.items():
-                    setattr(dist, name, fn)
+            step_only_all_to_all(opt)
             st = opt.last_step_stats
             assert (st.a2a_bytes_sent, st.a2a_bytes_received) == expected_bytes(opt, boxes, rank)
             if even_s is not None:
