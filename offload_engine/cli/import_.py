@@ -26,10 +26,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Write a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 or bf16; AdamW, or "
                     "MuonWithAuxAdam) as an offload-engine checkpoint for ZeroMuon "
                     "at --world-size ranks: fp32 masters, Adam moments and steps, Muon "
-                    "momentum, buffers, and the global step and LR scheduler state. Which "
-                    "parameters use Muon comes from the checkpoint where it records it, else "
-                    "from ZeroMuon's default rule; where the two differ, a line per "
-                    "parameter. Streams with bounded memory; deepspeed is not needed and no "
+                    "momentum, buffers, tied names, and the global step and LR scheduler state. "
+                    "Which parameters use Muon comes from the checkpoint where it records "
+                    "it, else from ZeroMuon's default rule; where the two differ, a count "
+                    "per kind with a few names (--verbose: a line per parameter). Streams with bounded memory; deepspeed is not needed and no "
                     "code from the pickles runs.")
     d.add_argument("ckpt", metavar="CKPT", help="DeepSpeed checkpoint folder (the one holding "
                                                 "'latest' and the tag folders)")
@@ -46,12 +46,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="bytes read from the DeepSpeed files at a time (default: 32MiB)")
     d.add_argument("--json", action="store_true",
                    help="print one JSON object: the summary, disagreements included")
+    d.add_argument("-v", "--verbose", action="store_true",
+                   help="list every parameter whose optimizer differs from ZeroMuon's default "
+                        "rule (default: a count per kind and a few names)")
     d.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..offline.ds_import import from_deepspeed
+    from ..offline.ds_import import disagreement_summary, from_deepspeed
 
     if args.world_size < 1:
         raise InputError(f"--world-size must be at least 1, not {args.world_size}")
@@ -61,8 +64,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
         return 0
-    for d in summary.disagreements:
-        print(f"disagreement: {d.line()}", file=sys.stderr)
+    if args.verbose:
+        lines = [d.line() for d in summary.disagreements]
+    else:
+        lines = disagreement_summary(summary.disagreements)
+        if lines:
+            lines[-1] += " (--verbose lists each, --json has them all)"
+    for line in lines:
+        print(f"disagreement: {line}", file=sys.stderr)
+    for alias, owner in summary.tied.items():
+        print(f"note: {alias} is tied to {owner}: recorded as tied, as DeepSpeed saved it",
+              file=sys.stderr)
     for note in summary.notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"{summary.source}: wrote {summary.generation} for {summary.world_size} ranks "

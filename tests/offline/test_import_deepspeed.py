@@ -178,7 +178,7 @@ def test_muon_run_keeps_deepspeeds_choice_and_reports_disagreements(tmp_path):
     assert [g["use_muon"] for g in info["param_groups"]] == [True, False]
 
     plain = run_cli("import", "deepspeed", os.path.join(FIXTURES, MUON_RUN),
-                    str(tmp_path / "again"), "--world-size", "2")
+                    str(tmp_path / "again"), "--world-size", "2", "--verbose")
     assert plain.returncode == 0
     assert ("disagreement: head.weight: muon in the DeepSpeed run, adamw under ZeroMuon's "
             "default rule") in plain.stderr
