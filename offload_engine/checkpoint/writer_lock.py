@@ -4,9 +4,9 @@ Two runs saving into one folder (two trainings, or a job restarted while its old
 runs) would each drop the other's ``.partial`` staging folder, move ``latest`` back and
 forth and remove each other's generations by ``keep_last``. So rank 0 of the saving run
 takes this lock at its first save and holds it for the life of the run: until every
-optimizer that saved into the folder from this process is garbage collected, or the
-process ends (the kernel releases a flock when its holder dies: a crashed or killed run
-leaves no stale lock, and the next writer needs no manual step). The other ranks of the
+optimizer that saved into the folder from this process is closed or garbage collected,
+or the process ends (the kernel releases a flock when its holder dies: a crashed or
+killed run leaves no stale lock, and the next writer needs no manual step). The other ranks of the
 run take no lock: their rank 0 holds it for them, and a refused rank 0 tells them
 (save.py broadcasts its error). Readers (load, ``latest``, inspect, consolidate) take no
 lock and never wait for one.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from ..formats.errors import CheckpointError
 from ..io import syscalls
 from ..io.errors import FileIOError
 from ..layout.checkpoint_names import WRITER_LOCK
+from ..optim.zero_muon import CLOSE_CALLBACKS
 from ..store.lock import LockFileError, _describe_holder
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,15 @@ def hold_for(ckpt_dir: str, owner) -> WriterLock:
         if id(owner) not in owners:
             owners.add(id(owner))
             weakref.finalize(owner, _drop_owner, key, id(owner))
+            # and when it is closed (ZeroMuon.close runs these)
+            owner.__dict__.setdefault(CLOSE_CALLBACKS, []).append(
+                functools.partial(_drop_owner, key, id(owner)))
     return lock
 
 
 def _drop_owner(key: tuple[int, int], owner_id: int) -> None:
-    """``owner`` was collected: release the folder once no saving optimizer is left."""
+    """``owner`` was closed or collected: release the folder once no saving optimizer of
+    this process is left (a second call for the same owner does nothing)."""
     with _registry_lock:
         entry = _held.get(key)
         if entry is None:

@@ -51,6 +51,10 @@ from ..errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
+# on an optimizer: callables close() runs last, once each (checkpoint/writer_lock.py puts the
+# release of a checkpoint folder's writer lock there; optim knows nothing of checkpoints)
+CLOSE_CALLBACKS = "_oe_close_callbacks"
+
 
 class ZeroMuon(torch.optim.Optimizer):
     """Muon (2-D hidden matrices) + AdamW (everything else) with state in a TieredStore.
@@ -447,20 +451,26 @@ class ZeroMuon(torch.optim.Optimizer):
         self._pinned = []
 
     def close(self) -> None:
-        """Flush and close the store this optimizer opened (a store passed in stays open)."""
-        if getattr(self, "store", None) is not None:
-            self.optimizer_state.before_write()  # state dicts still referenced keep their values
-            self._release_pinned()
-        if getattr(self, "_own_store", False) and self.store is not None:
-            store = self.store
-            try:
-                if store.root is not None:
-                    store.update_manifest({"step": self._steps_done})
-            finally:  # a manifest that cannot be written (a full disk) still closes the store
+        """Flush and close the store this optimizer opened (a store passed in stays open),
+        and let go of what others hold for it (the writer lock of a checkpoint folder it
+        saved into: ``CLOSE_CALLBACKS``)."""
+        try:
+            if getattr(self, "store", None) is not None:
+                self.optimizer_state.before_write()  # state dicts still referenced keep values
+                self._release_pinned()
+            if getattr(self, "_own_store", False) and self.store is not None:
+                store = self.store
                 try:
-                    store.close()
-                finally:
-                    self.optimizer_state.detach_store()
+                    if store.root is not None:
+                        store.update_manifest({"step": self._steps_done})
+                finally:  # a manifest that cannot be written (a full disk) still closes it
+                    try:
+                        store.close()
+                    finally:
+                        self.optimizer_state.detach_store()
+        finally:
+            for release in self.__dict__.pop(CLOSE_CALLBACKS, []):
+                release()
 
     def __enter__(self) -> "ZeroMuon":
         return self

@@ -211,3 +211,18 @@ def test_a_file_system_that_cannot_lock_saves_with_a_warning_and_sweeps_nothing(
     assert len(warned) == 1  # once for the run, not at every save
     assert sorted(os.listdir(ck)) == [WRITER_LOCK, "latest", "step-00000003",
                                       "step-00000009.partial"]
+
+
+def test_closing_the_optimizer_that_saved_frees_the_folder(tmp_path):
+    ck = str(tmp_path / "ck")
+    model, opt = fresh_model(str(tmp_path / "writer"))
+    train(model, opt, [1])
+    save_checkpoint(ck, model, opt, 1)
+    fd = os.open(os.path.join(ck, WRITER_LOCK), os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while opt is open
+        opt.close()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)      # free: another run may take it
+    finally:
+        os.close(fd)
