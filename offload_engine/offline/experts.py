@@ -4,12 +4,11 @@ and export).
 
 Two layouts hold experts (docs/consolidate.md, Mixture of experts):
 
-- a **grouped stack**: one tensor ``[E, ...]`` of three or more dimensions, dim 0 the
-  expert, one of whose modules is named ``experts`` (torchtitan's ``moe.experts.w1
-  [E, F, D]``, Hugging Face 5.x's ``mlp.experts.gate_up_proj [E, 2I, H]`` and
-  ``mlp.experts.down_proj [E, H, I]``). This is the rule ZeroMuon uses for a stack of
-  expert matrices (``optim.param_rules.is_expert_stack``), taken by name and shape since
-  offline there is no parameter. Expert ``e`` is elements ``[e * n, (e + 1) * n)`` of
+- a **grouped stack**: one 3-D tensor ``[E, out, in]``, dim 0 the expert, one of whose
+  modules is named ``experts`` (torchtitan's ``moe.experts.w1 [E, F, D]``, Hugging Face
+  5.x's ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``):
+  ZeroMuon's own rule for a stack of expert matrices (``optim.param_rules.is_expert_stack``,
+  on the name and number of dimensions, so offline and training agree). Expert ``e`` is elements ``[e * n, (e + 1) * n)`` of
   the flattened stack (``n`` = numel / E): contiguous in every format, so one expert is
   read alone, whatever E;
 - **per-expert tensors**: ``...experts.{e}.<name>``, one 2-D weight per expert (a
@@ -29,17 +28,15 @@ from typing import Sequence
 
 from ..formats.errors import FormatError
 from ..formats.source import ReadRequest, StateMeta, TensorMeta, TensorSource
+from ..optim.param_rules import is_expert_stack
 
-EXPERT_MODULE = "experts"
 _PER_EXPERT = re.compile(r"(?:^|[._])experts\.(\d+)\.")
 
 
 def expert_count(name: str, shape: Sequence[int]) -> int | None:
-    """E for a grouped expert stack (three or more dimensions, a module named ``experts``
+    """E for a grouped expert stack (``is_expert_stack``: 3-D, a module named ``experts``
     in ``name``; dim 0 the expert), else None."""
-    if len(shape) < 3 or EXPERT_MODULE not in name.split(".")[:-1]:
-        return None
-    return int(shape[0])
+    return int(shape[0]) if is_expert_stack(name, len(shape)) else None
 
 
 def per_expert_index(name: str) -> int | None:
