@@ -1,9 +1,8 @@
 """DeepSpeed's ``zero_to_fp32`` Python API under its own names, signatures and outputs.
 
 A script that imports these from ``deepspeed.utils.zero_to_fp32`` migrates by changing
-its import line to ``offload_engine.consolidate`` (or ``offload_engine.zero_to_fp32``),
-keywords included, and then also reads our checkpoints. What it gets is what DeepSpeed
-0.19.8 gives (docs/consolidate.md, "Python API"):
+its import line to ``offload_engine.consolidate``, keywords included, and then also reads
+our checkpoints. What it gets is what DeepSpeed 0.19.8 gives (docs/consolidate.md, "Python API"):
 
 - ``get_fp32_state_dict_from_zero_checkpoint``: a ``dict`` of CPU tensors in
   DeepSpeed's key order (buffers, frozen parameters, trainable parameters, tied names),
