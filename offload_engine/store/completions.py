@@ -87,13 +87,32 @@ def started(on_done, start_io, *args) -> None:
     except Exception as e:  # noqa: BLE001 - it is the I/O's outcome, reported through the future
         fut = failed(e)
     except BaseException as interrupt:
-        stopped = OSError(errno.EINTR, f"interrupted ({type(interrupt).__name__}) while the "
-                                       f"I/O was being started")
-        stopped.__cause__ = interrupt
-        stopped.interrupted_start = True  # see interrupted_start()
-        failed(stopped).add_done_callback(on_done)
+        _interrupted(interrupt).add_done_callback(on_done)
         raise
     fut.add_done_callback(on_done)
+
+
+def report_unstarted(interrupt: BaseException, on_done) -> None:
+    """For the caller of ``started``, in its own ``except BaseException`` around the call
+    (and around whatever marked the I/O as in flight before it): an interrupt that landed
+    before ``started`` could catch it (at the very call) is reported to ``on_done`` as
+    ``started`` would have (failed with EINTR, ``interrupted_start``); one ``started``
+    reported already is left alone. Then re-raise it."""
+    if not getattr(interrupt, _REPORTED, False):
+        _interrupted(interrupt).add_done_callback(on_done)
+
+
+_REPORTED = "oe_io_reported"  # set on an interrupt once an I/O's on_done heard of it
+
+
+def _interrupted(interrupt: BaseException) -> IOFuture:
+    """The outcome of an I/O whose start ``interrupt`` cut short: failed with EINTR."""
+    stopped = OSError(errno.EINTR, f"interrupted ({type(interrupt).__name__}) while the "
+                                   f"I/O was being started")
+    stopped.__cause__ = interrupt
+    stopped.interrupted_start = True  # see interrupted_start()
+    setattr(interrupt, _REPORTED, True)
+    return failed(stopped)
 
 
 def interrupted_start(error: BaseException | None) -> bool:

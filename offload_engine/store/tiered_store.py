@@ -26,7 +26,7 @@ import torch
 
 from ..errors import InputError, UsageError
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket, Handle
-from .completions import failed, interrupted_start, started
+from .completions import failed, interrupted_start, report_unstarted, started
 from .config import StoreConfig
 from .counters import StatsCounter, StoreStats
 from .earlier_run import EarlierRun
@@ -96,23 +96,19 @@ class TieredStore:
             return self._registry.add(name, dtype, numel, home)
 
     def earlier_run(self, names=()) -> EarlierRun | None:
-        """What an earlier run left in the store directory (``store/earlier_run.py``): the
-        arrays its manifest lists and those of ``names`` found on disk; None if nothing.
-        Meaningful before anything is registered."""
+        """What an earlier run left in the store directory (``store/earlier_run.py``), or
+        None; meaningful before anything is registered."""
         return self._registry.earlier_run(names)
 
     def discard_earlier_run(self, earlier: EarlierRun) -> None:
-        """Remove what ``earlier`` found (arrays, their striped chunks, the tables of the
-        layers above) so that none of it is ever read as current state. The store holds
-        the directory's write lock, so no live writer loses anything; call it before
-        registering any array."""
+        """Remove what ``earlier`` found (arrays, striped chunks, the layers' tables) before
+        any array is registered; the store's write lock keeps live writers safe."""
         with self._lock:
             self._registry.discard_earlier_run(earlier)
 
     def update_manifest(self, entries: dict) -> None:
-        """Merge ``entries`` (JSON-serialisable) into the store's manifest (the group
-        attributes, docs/format.md), e.g. the optimizer's ``tensors``, ``world_size`` and
-        ``step``; rewritten atomically. The store's own keys cannot be overridden."""
+        """Merge ``entries`` (JSON-serialisable) into the store's manifest (group attributes,
+        docs/format.md), rewritten atomically; the store's own keys cannot be overridden."""
         with self._lock:
             self._registry.update_manifest(entries)
 
@@ -211,8 +207,7 @@ class TieredStore:
             self._pump()
 
     def _update_candidate(self, b: Bucket) -> None:
-        """Tell the policy whether ``b`` may be evicted now (after any change of its state,
-        references, dirtiness or write failure)."""
+        """Tell the policy whether ``b`` may be evicted now (after any change of its state)."""
         if b.state == RESIDENT and not b.refs and not b.pinned_home and not b.write_failed:
             self._policy.offer(b.key, b.dirty, b.last_use)
         else:
@@ -290,18 +285,25 @@ class TieredStore:
         buf, status = self._get_buffer(b, demand, credit)
         if buf is None:
             return status
-        b.buf = buf
-        self._resident.add(b)
-        if arr.home != "nvme" or not b.on_disk:
-            buf.bytes.zero_()  # first touch: zeros, nothing read, nothing written
-            b.state = RESIDENT
-            self._update_candidate(b)
-            self._stats.current.zero_fills += 1
-            self._cv.notify_all()
-            return "started"
-        b.state, b.io_since = READING, time.monotonic()
-        started(lambda f, b=b: self._completions.post(self._read_done, b, f),
-                arr.flat.read_into, b.start, b.stop, buf)
+        done = lambda f, b=b: self._completions.post(self._read_done, b, f)  # noqa: E731
+        try:  # Ctrl-C anywhere below leaves the buffer given back, or the read reported
+            b.buf = buf
+            self._resident.add(b)
+            if arr.home != "nvme" or not b.on_disk:
+                buf.bytes.zero_()  # first touch: zeros, nothing read, nothing written
+                b.state = RESIDENT
+                self._update_candidate(b)
+                self._stats.current.zero_fills += 1
+                self._cv.notify_all()
+                return "started"
+            b.state, b.io_since = READING, time.monotonic()
+            started(done, arr.flat.read_into, b.start, b.stop, buf)
+        except BaseException as e:
+            if b.state == ABSENT:  # before the read was marked: not taken after all
+                self._drop(b, count=False)
+            elif b.state == READING:  # at the very call of started(): reported here
+                report_unstarted(e, done)
+            raise
         return "started"
 
     def _read_done(self, b: Bucket, fut) -> None:
@@ -342,8 +344,7 @@ class TieredStore:
 
     def _retry_failed_writes(self, evict_after: bool = True) -> None:
         """Start writing again every unheld bucket whose write-back failed (evicted once
-        written with ``evict_after``). The outcome reaches ``_write_done`` like any
-        write-back's: on success the room they free lets a waiting fill go on."""
+        written with ``evict_after``); the outcome reaches ``_write_done`` as any does."""
         for r in [r for r in self._resident
                   if r.write_failed and r.state == RESIDENT and not r.refs]:
             r.write_failed = False
@@ -366,14 +367,24 @@ class TieredStore:
             self._stats.current.evictions += 1
 
     def _start_write(self, b: Bucket, evict_after: bool) -> None:
-        b.state, b.io_since = WRITING, time.monotonic()
-        self._policy.writebacks.start(b.key, b.buf.capacity, evict_after)
-        self._policy.withdraw(b.key)
-        b.dirty = False
-        # bytes still arriving from the GPU: the copy waiter thread waits for them and then
-        # starts the write, never under this lock
-        if self.gpu is None or not self.gpu.write_when_copied(b, self._write, self._write_failed):
-            self._write(b)
+        b.state, b.dirty = WRITING, False  # together, before any call: no victim from here
+        counted = False
+        try:  # Ctrl-C anywhere below: the write-back is counted and its outcome reported
+            self._policy.writebacks.start(b.key, b.buf.capacity, evict_after)
+            counted = True
+            b.io_since = time.monotonic()
+            self._policy.withdraw(b.key)
+            # bytes still arriving from the GPU: the copy waiter thread waits for them and
+            # then starts the write, never under this lock
+            if self.gpu is None or not self.gpu.write_when_copied(b, self._write,
+                                                                  self._write_failed):
+                self._write(b)
+        except BaseException as e:
+            if not counted:
+                self._policy.writebacks.start(b.key, b.buf.capacity, evict_after)
+            self._policy.withdraw(b.key)
+            report_unstarted(e, lambda f, b=b: self._completions.post(self._write_done, b, f))
+            raise
 
     def _write_failed(self, b: Bucket, error: BaseException) -> None:
         """A write-back that failed before its I/O started ends like an I/O error."""
@@ -430,12 +441,9 @@ class TieredStore:
     # -- schedule ------------------------------------------------------------------------------
     def set_schedule(self, forward: list[tuple[str, int]] | None,
                      backward: list[tuple[str, int]] | None = None) -> None:
-        """Declare the per-step bucket orders once: ``forward`` (``(array, bucket_index)``
-        pairs, each bucket at most once) and ``backward``, the same buckets in the order a
-        reversed walk first uses them (default: ``forward`` reversed). With
-        ``alternate_order`` the store walks ``forward`` on even steps and ``backward`` on odd
-        ones, counting from the next ``begin_step``; otherwise ``forward`` every step. None
-        clears the schedule."""
+        """Declare the per-step bucket orders once: ``forward`` and ``backward`` list
+        ``(array, bucket_index)`` pairs (default backward: forward reversed); None clears
+        them. docs/store.md, API, says how the store walks them."""
         with self._lock:
             if forward is None:
                 self._policy.clear()
@@ -446,13 +454,9 @@ class TieredStore:
             self._policy.declare(forward, backward)
 
     def begin_step(self) -> list[tuple[str, int]] | None:
-        """Mark a step boundary; returns the bucket order to use in this step (the store
-        owns the order: the declared one, alternating when ``alternate_order``;
-        ``step_is_backward`` says which).
-
-        Without a declared schedule, the first step's acquire order is recorded and becomes
-        the schedule from the second step on (None is returned while recording).
-        """
+        """Mark a step boundary; returns this step's bucket order (the declared one,
+        alternating with ``alternate_order``), or None while the first step's acquire order
+        is being recorded as the schedule."""
         with self._lock:
             # write-backs that failed (a full disk) are tried again once per step, so their
             # bytes reach the disk as soon as it has room, with no flush() needed
@@ -498,13 +502,9 @@ class TieredStore:
 
     # -- snapshots -----------------------------------------------------------------------------
     def snapshot(self, sink, arrays: list[str] | None = None) -> Snapshot:
-        """Copy ``arrays`` (default: all) as they are now, in the background.
-
-        ``sink(array, bucket_index, start_element, tensor)`` is called once per bucket, from
-        a background thread or from an ``acquire`` that needs the bucket first (so later
-        changes never reach the copy). Returns at once; ``Snapshot.wait()`` blocks until
-        done and raises the sink's first error. One snapshot at a time.
-        """
+        """Copy ``arrays`` (default: all) as they are now, in the background: ``sink(array,
+        bucket_index, start_element, tensor)`` once per bucket, from a background thread or
+        an ``acquire`` that needs the bucket first (store/snapshot.py). One at a time."""
         with self._lock:
             self._check_open()
             check_can_start(self._snapshot, sorted(b.key for b in self._resident if b.refs > b.keeps))

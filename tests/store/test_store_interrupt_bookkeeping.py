@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from helpers.deadline import within
 from helpers.store_runs import B, make_store, run_steps
 from offload_engine.store.bucket import Handle
 from offload_engine.store.errors import SnapshotInterruptedError
@@ -91,3 +92,55 @@ def test_ctrl_c_as_the_handle_is_made_holds_nothing(tmp_path, monkeypatch, call)
             getattr(s, call)("m", 0)
         monkeypatch.undo()
         s.snapshot(lambda *a: None).wait(30)   # refused before: the bucket stayed held
+
+
+def interrupt_at_the_call_of_started(monkeypatch):
+    """The store's first call of ``started`` (the one that starts an I/O and reports its
+    outcome) meets Ctrl-C at the call itself, before ``started`` can catch anything."""
+    import offload_engine.store.tiered_store as tiered_store
+    real, fired = tiered_store.started, []
+
+    def interrupted(*args):
+        if not fired and threading.current_thread() is threading.main_thread():
+            fired.append(True)
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(tiered_store, "started", interrupted)
+    return fired
+
+
+def test_ctrl_c_at_the_start_of_a_read_leaves_no_bucket_reading_forever(tmp_path, monkeypatch):
+    with make_store(tmp_path, cpu_budget=2 * B, prefetch_depth=0) as s:
+        s.register("m", torch.float32, 4 * B // 4)
+        run_steps(s, "m", 1)   # every bucket written home: acquiring 0 and 1 again reads them
+        s.flush()
+        for i in (2, 3):
+            s.release(s.acquire("m", i))
+        fired = interrupt_at_the_call_of_started(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            s.acquire("m", 0)
+        assert fired
+        monkeypatch.undo()
+        h = within(30, lambda: s.acquire("m", 0))  # hung: the bucket stayed "reading"
+        assert bool((h.tensor == 1).all())
+        s.release(h)
+
+
+def test_ctrl_c_at_the_start_of_a_write_back_leaves_flush_working(tmp_path, monkeypatch):
+    s = make_store(tmp_path, cpu_budget=2 * B, prefetch_depth=0)
+    s.register("m", torch.float32, 4 * B // 4)
+    fired = interrupt_at_the_call_of_started(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        for i in range(4):   # the third acquire writes a dirty bucket back to make room
+            h = s.acquire("m", i)
+            h.tensor.fill_(i + 1)
+            s.release(h, dirty=True)
+    assert fired
+    monkeypatch.undo()
+    within(30, s.flush)   # hung: the write-back counted in flight never reported
+    for i in range(2):
+        h = s.acquire("m", i)
+        assert bool((h.tensor == i + 1).all()), (i, h.tensor[:2])
+        s.release(h)
+    within(30, s.close)
