@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from offload_engine.consolidate import (LazyStateDict, convert_to_safetensors,
@@ -13,33 +12,9 @@ from offload_engine.consolidate import (LazyStateDict, convert_to_safetensors,
 from offload_engine.formats import FormatError
 
 from helpers.synthetic import write_checkpoint
-from helpers.consolidate_outputs import bits, load_output
-from helpers import paths
-from helpers.paths import DEEPSPEED_FIXTURES
-
-DS = DEEPSPEED_FIXTURES
-FIXTURES = sorted(os.path.join(DS, d) for d in os.listdir(DS) if os.path.isdir(os.path.join(DS, d)))
-FIXTURES.append(os.path.join(paths.FIXTURES, "deepspeed_hf", "gpt2_zero3_w2_tied"))
-# DeepSpeed's zero_to_fp32 drops a ZeRO-1 run's frozen parameters (it has no
-# frozen_param_shapes there); we keep them (test_consolidate.test_zero1_keeps_frozen...).
-ZERO1_FROZEN = {"frozen.weight", "frozen.bias"}
-TIES = {"gpt2_zero3_w2_tied": ("lm_head.weight", "transformer.wte.weight")}
-
-
-def expected(fixture):
-    return load_file(os.path.join(fixture, "expected_zero_to_fp32.safetensors"))
-
-
-def tie_of(fixture):
-    return TIES.get(os.path.basename(fixture), ("head.weight", "emb.weight"))
-
-
-def assert_bitwise(got, want):
-    assert set(want) <= set(got) and set(got) - set(want) <= ZERO1_FROZEN, set(got) ^ set(want)
-    for name, w in want.items():
-        g = got[name]
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        assert torch.equal(bits(g), bits(w)), name
+from helpers.consolidate_outputs import load_output
+from helpers.zero_to_fp32_expected import (DS, FIXTURES, ZERO1_FROZEN, assert_bitwise,
+                                           expected, tie_of)
 
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=os.path.basename)

@@ -21,9 +21,9 @@ from offload_engine.consolidate import (LazyTensor, convert_zero_checkpoint_to_f
 from offload_engine.errors import InputError, UsageError
 
 from helpers.synthetic import write_checkpoint
-from test_consolidate_api import FIXTURES, ZERO1_FROZEN, assert_bitwise, expected, tie_of
+from helpers.zero_to_fp32_expected import (DS, FIXTURES, ZERO1_FROZEN, assert_bitwise,
+                                           expected, tie_of)
 
-DS = os.path.dirname(FIXTURES[0])
 ZERO3 = os.path.join(DS, "zero3_w3_fp32")
 
 
