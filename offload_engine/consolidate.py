@@ -15,9 +15,10 @@ from .offline.state_dict import (LazyStateDict, convert_to_safetensors, get_fp32
 from .offline.zero_to_fp32 import (LazyTensor, convert_zero_checkpoint_to_fp32_state_dict,
                                    convert_zero_checkpoint_to_state_dict,
                                    get_fp32_state_dict_from_zero_checkpoint,
-                                   load_state_dict_from_zero_checkpoint)
+                                   load_state_dict_from_zero_checkpoint, to_torch_tensor)
 
 __all__ = ["LazyStateDict", "LazyTensor", "convert_to_safetensors",
            "convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
            "get_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_checkpoint", "load_state_dict_from_zero_checkpoint"]
+           "load_state_dict_from_checkpoint", "load_state_dict_from_zero_checkpoint",
+           "to_torch_tensor"]

@@ -133,6 +133,31 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     return out
 
 
+def to_torch_tensor(state_dict: dict, return_empty_tensor: bool = False, dtype=None) -> dict:
+    """DeepSpeed's helper of this name: a lazy state dict (``LazyTensor`` or tensor values)
+    as ``{name: tensor}``, each read once (``.contiguous()``), names sharing one value
+    sharing one tensor. ``dtype``: float tensors cast to it (integer and bool ones keep
+    theirs); ``return_empty_tensor``: uninitialised tensors of the shapes and dtypes
+    instead, nothing read."""
+    import torch
+
+    target = None if dtype is None else _output_dtype(dtype).torch
+    out: dict = {}
+    first: dict[int, str] = {}
+    for name, value in state_dict.items():
+        if id(value) in first:
+            out[name] = out[first[id(value)]]
+            continue
+        first[id(value)] = name
+        wanted = target if target is not None and value.dtype.is_floating_point else None
+        if return_empty_tensor:
+            out[name] = torch.empty(tuple(value.shape), dtype=wanted or value.dtype)
+        else:
+            tensor = value.contiguous()
+            out[name] = tensor.to(wanted) if wanted is not None else tensor
+    return out
+
+
 def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str,
                                           dtype="float32", max_shard_size: int | str | None = "5GB",
                                           safe_serialization: bool = False, tag: str | None = None,

@@ -17,7 +17,7 @@ from offload_engine.consolidate import (LazyTensor, convert_zero_checkpoint_to_f
                                         convert_zero_checkpoint_to_state_dict,
                                         get_fp32_state_dict,
                                         get_fp32_state_dict_from_zero_checkpoint,
-                                        load_state_dict_from_zero_checkpoint)
+                                        load_state_dict_from_zero_checkpoint, to_torch_tensor)
 from offload_engine.errors import InputError, UsageError
 
 from helpers.synthetic import write_checkpoint
@@ -41,6 +41,7 @@ def test_deepspeeds_signatures_are_ours():
             "(checkpoint_dir, output_dir, dtype='float32', max_shard_size='5GB', "
             "safe_serialization=False, tag=None, exclude_frozen_parameters=False)",
         "load_state_dict_from_zero_checkpoint": "(model, checkpoint_dir, tag=None)",
+        "to_torch_tensor": "(state_dict, return_empty_tensor=False, dtype=None)",
     }
     for name, signature in want.items():
         params = inspect.signature(getattr(dropin, name)).parameters.values()
@@ -75,6 +76,17 @@ def test_lazy_mode_gives_objects_read_on_contiguous(fixture):
         got[name] = lazy_tensor.contiguous()
     assert lazy[owner].contiguous() is not got[owner]  # read again, not kept
     assert_bitwise(got, expected(fixture))
+
+
+def test_to_torch_tensor_materialises_a_lazy_state_dict_as_deepspeeds_helper():
+    lazy = get_fp32_state_dict_from_zero_checkpoint(ZERO3, lazy_mode=True)
+    got = to_torch_tensor(lazy)
+    assert_bitwise(got, expected(ZERO3))
+    assert got["head.weight"] is got["emb.weight"]
+    half = to_torch_tensor(lazy, dtype="bf16")
+    assert half["l1.weight"].dtype == torch.bfloat16 and half["offs"].dtype == torch.int64
+    empty = to_torch_tensor(lazy, return_empty_tensor=True, dtype=torch.float16)
+    assert empty["l1.weight"].shape == (13, 16) and empty["l1.weight"].dtype == torch.float16
 
 
 def test_lazy_mode_keeps_the_checkpoint_open_until_the_last_tensor_goes(monkeypatch):
