@@ -37,6 +37,7 @@ from collections import OrderedDict
 from ..dtypes import FLOAT32, dtype as as_dtype
 from ..formats import TensorSource
 from ..errors import InputError
+from ..io.errors import WrappedIOError
 from .consolidate import Written, output_dtype, written_aliases, written_tensors
 from .hf_shards import OutTensor, parse_size, split_shards
 from .state_dict import open_weights, read_value
@@ -116,17 +117,19 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     ``.contiguous()`` (memory: the tensors the caller keeps). Memory otherwise: the whole
     model in float32."""
     source = open_weights(checkpoint_dir, tag)
-    tensors, aliases = _entries(source, exclude_frozen_parameters)
-    out: dict = OrderedDict() if lazy_mode else {}
-    if lazy_mode:
-        reader = _Reader(source)
-        for info in tensors:
-            out[info.name] = LazyTensor(reader, info)
-    else:
-        with source:
+    kept_open = False  # by the LazyTensors, until the last of them is gone
+    try:
+        tensors, aliases = _entries(source, exclude_frozen_parameters)
+        if lazy_mode:
+            reader = _Reader(source)
+            kept_open = True
+            out: dict = OrderedDict((t.name, LazyTensor(reader, t)) for t in tensors)
+        else:
             trainable = _trainable(source)
-            for info in tensors:
-                out[info.name] = _read(source, info, FLOAT32, trainable)
+            out = {t.name: _read(source, t, FLOAT32, trainable) for t in tensors}
+    finally:
+        if not kept_open:
+            source.close()
     for alias, owner in aliases.items():
         out[alias] = out[owner]
     log.info("%s: %d tensors, %d tied names", checkpoint_dir, len(tensors), len(aliases))
@@ -186,7 +189,12 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str,
                 owner = aliases.get(key)
                 values[key] = values[owner] if owner is not None else _read(
                     source, infos[key], out_dtype, trainable)
-            _save_shard(values, aliases, os.path.join(output_dir, filename), safe_serialization)
+            path = os.path.join(output_dir, filename)
+            try:
+                _save_shard(values, aliases, path, safe_serialization)
+            except OSError as e:
+                raise WrappedIOError.wrap(e, f"writing {len(keys)} tensors of "
+                                             f"{checkpoint_dir} to {path}", op="write") from None
             del values
             log.info("wrote %s (%d tensors)", filename, len(keys))
     if len(shards) > 1:
@@ -254,6 +262,11 @@ def _shard_names(weights: str, count: int) -> list[str]:
 def _save_shard(values: dict, aliases: dict[str, str], path: str, safe: bool) -> None:
     import torch
 
+    # torch.save and save_file report an unwritable path without naming it (torch: a
+    # RuntimeError "open file failed"): opening it here first raises an OSError that does.
+    # torch.save is still given the path: the zip's folder is named after the file, as
+    # in DeepSpeed's output, which a file object would change.
+    open(path, "wb").close()
     if not safe:
         torch.save(values, path)
         return

@@ -197,3 +197,12 @@ def test_our_checkpoints_under_deepspeeds_names(tmp_path):
     convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path / "ck"), str(tmp_path / "out"))
     saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
     assert torch.equal(saved["a.weight"], weights["a.weight"])
+
+
+def test_an_unwritable_output_file_is_an_io_error_naming_it(tmp_path):
+    """torch.save alone says "open file failed with strerror: Is a directory", no path."""
+    from offload_engine.io.errors import FileIOError
+
+    (tmp_path / "pytorch_model.bin").mkdir()
+    with pytest.raises(FileIOError, match=r"pytorch_model\.bin.*Is a directory"):
+        convert_zero_checkpoint_to_fp32_state_dict(ZERO3, str(tmp_path))
