@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,63 @@ def test_train_fsdp2_under_torchrun_streams_state_and_the_loss_falls(tmp_path):
     assert int(rows[-1][2]) > 0 and int(rows[-1][3]) > 0, "the state should stream from NVMe"
     for r in range(2):   # one store per rank, each with its arrays on disk
         assert (store / f"rank{r}" / "muon_momentum" / "zarr.json").exists()  # one level
+
+
+@pytest.mark.multiprocess
+def test_train_fsdp2_saves_is_killed_resumes_bitwise_and_consolidates(tmp_path):
+    """The journey of docs/optimizer.md with the example alone: a run with --checkpoint is
+    SIGKILLed mid-way; the same command again resumes from its latest checkpoint (whatever
+    the crash left in --store), finishes, and its consolidated weights equal an uninterrupted
+    run's bit for bit. Without a checkpoint, a used --store is refused in one line."""
+    import signal
+
+    import psutil
+    from safetensors.torch import load_file
+
+    def command(name, *extra):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", EXAMPLE, "--store", str(tmp_path / f"state-{name}"),
+                "--steps", "20", "--save-every", "5", *extra]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    ref = subprocess.run(command("ref", "--checkpoint", str(tmp_path / "ck-ref")), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+
+    run = command("run", "--checkpoint", str(tmp_path / "ck-run"))
+    latest = tmp_path / "ck-run" / "latest"
+    proc = subprocess.Popen(run, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    try:                                  # killed as soon as the save of step 10 is committed
+        deadline = time.monotonic() + 240
+        while not (latest.exists() and latest.read_text().strip() >= "step-00000010"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no save of step 10"
+            time.sleep(0.02)
+        # torchrun starts its workers in sessions of their own: kill each, as a crash would
+        for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+            p.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    again = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0, again.stderr[-4000:]
+    resumed = re.search(r"resumed from .*step-0*(\d+) \(step (\d+)\)", again.stdout)
+    assert resumed and int(resumed.group(2)) in (10, 15), again.stdout
+
+    cli = [sys.executable, "-m", "offload_engine.cli.main", "consolidate"]
+    for name in ("ref", "run"):
+        out = subprocess.run(cli + [str(tmp_path / f"ck-{name}"), str(tmp_path / f"out-{name}")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+    a = load_file(str(tmp_path / "out-ref" / "model.safetensors"))
+    b = load_file(str(tmp_path / "out-run" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+    fresh = subprocess.run(command("run"), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env=env)
+    assert fresh.returncode != 0
+    ours = [line for line in fresh.stderr.splitlines() if line.startswith("train_fsdp2.py: ")]
+    assert len(ours) == 1 and "earlier run" in ours[0], fresh.stderr[:2000]   # rank 0 only
+    assert "pass --checkpoint" in fresh.stderr
+    assert "InputError" not in fresh.stderr   # no worker traceback (torchrun adds its own summary)
 
 
 def test_the_optimizer_doc_shows_the_example_verbatim():
