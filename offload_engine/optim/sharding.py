@@ -17,6 +17,8 @@ comes from.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -118,6 +120,27 @@ def _local_box(p) -> tuple[list[int], list[int]]:
     return list(offset), list(shape)
 
 
+def name_hash(name: str | None) -> int:
+    """A parameter name as an int64 every rank computes alike (0: no name)."""
+    return zlib.crc32(name.encode()) + 1 if name else 0
+
+
+def check_same_tensors(dist_infos, theirs: list[int], mine: list[int], r: int, rank: int) -> None:
+    """Every rank's DTensor parameter j must be the same tensor (its boxes tile one tensor):
+    refuse parameters named differently on two ranks, such as per-expert Linear layers that
+    each expert-parallel rank holds its own of and shards with FSDP over a sub-mesh, which
+    would otherwise be taken for replicas of one tensor."""
+    for info, a, b in zip(dist_infos, theirs, mine):
+        if a and b and a != b:
+            raise InputError(
+                f"DTensor parameter {info.name} of rank {rank} is another parameter on rank {r} "
+                "(names differ at the same position): ZeroMuon needs each DTensor parameter on "
+                "every rank of its exchange group. Per-expert Linear layers that differ between "
+                "expert-parallel ranks can be plain tensors (each rank orthogonalizes its own), "
+                "or a 3-D stack sharded Shard(0) on the expert-parallel mesh (docs/optimizer.md, "
+                "Mixture of experts)")
+
+
 def describe(infos: list[ParamInfo], group, world: int, rank: int, extra: list[int]) -> None:
     """Fill in what every rank holds of every parameter: one all_gather of the boxes at
     construction, never in a step. A row split (FSDP2 ``Shard(0)`` on a 1-D mesh) becomes
@@ -137,7 +160,8 @@ def describe(infos: list[ParamInfo], group, world: int, rank: int, extra: list[i
     for i in dist_infos:
         offset, shape = _local_box(i.param)
         local += offset + shape
-    mine = torch.tensor(local + list(extra) + [len(dist_infos)], dtype=torch.int64)
+    names = [name_hash(i.name) for i in dist_infos]
+    mine = torch.tensor(local + names + list(extra) + [len(dist_infos)], dtype=torch.int64)
     if world == 1:
         gathered = [mine]
     else:
@@ -147,9 +171,11 @@ def describe(infos: list[ParamInfo], group, world: int, rank: int, extra: list[i
     for r, g in enumerate(gathered):
         if g.numel() != mine.numel() or int(g[-1]) != len(dist_infos):
             raise InputError(f"rank {r} has a different number of sharded parameters than rank {rank}")
-        if g[n:-1].tolist() != list(extra):
+        check_same_tensors(dist_infos, g[n:n + len(names)].tolist(), names, r, rank)
+        if g[n + len(names):-1].tolist() != list(extra):
             raise InputError(f"rank {r} disagrees with rank {rank} on optimizer settings "
-                             f"{g[n:-1].tolist()} vs {list(extra)} (e.g. the store's alternate_order)")
+                             f"{g[n + len(names):-1].tolist()} vs {list(extra)} (e.g. the store's "
+                             "alternate_order)")
     per_rank = [g[:n].tolist() for g in gathered]
     at = 0
     for info in dist_infos:

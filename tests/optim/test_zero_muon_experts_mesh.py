@@ -13,7 +13,9 @@ docs/optimizer.md (Mixture of experts), on:
   ``(Shard(0), Shard(0))``, 2 experts on 4 ranks; bf16 parameters with fp32 masters and the
   state on NVMe through a pool smaller than it;
 - EP with tensor parallelism on the dense layers: dense parameters on the (dp, tp) mesh,
-  experts on the ep (= tp) sub-mesh, replicated over dp.
+  experts on the ep (= tp) sub-mesh, replicated over dp;
+- refused: per-expert Linear layers that differ between ep ranks, FSDP-sharded over dp (the
+  same position would hold different experts).
 
 Each check runs 3 steps; one process launch per mesh runs all its cases.
 """
@@ -208,6 +210,7 @@ def mesh_worker(rank, world, mesh, tmp):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     flat = mesh._flatten("dp_ep")
+    refuse_different_experts_at_one_position(rank, mesh, flat)
     # EP x FSDP: each expert's rows over dp, experts over ep; the dense layers FSDP over all
     for experts in (4, 2):      # 2 experts on 4 ranks: each expert on one ep rank, split over dp
         model, ref = bag_pair(*odd_shapes(experts))
@@ -247,6 +250,25 @@ def mesh_worker(rank, world, mesh, tmp):
     run_steps(rank, world, model, ref, "ep_tp_even", tmp,
               closed_form=(4 * (world - 1) * p_dense // world // world
                            + 2 * (2 - 1) * p_exp // 2 // 2))
+
+
+def refuse_different_experts_at_one_position(rank, mesh, flat):
+    """Per-expert Linear layers, each ep rank its own 2 of 4, FSDP-sharded over dp: the same
+    position holds another expert on the other ep rank, which is not one tensor's box.
+    Refused by name at construction (taken for replicas, they would mix experts)."""
+    from torch.distributed.fsdp import fully_shard
+    model = ExpertBag({}, odd_shapes(4)[1])
+    model.experts = torch.nn.ModuleList(ExpertBag({}, {"w1": (6, 8)}, seed=e).dense
+                                        for e in range(4))
+    ep = rank % 2
+    for e in (2 * ep, 2 * ep + 1):
+        fully_shard(model.experts[e], mesh=mesh["dp"])
+    fully_shard(model.dense, mesh=flat)
+    named = [(n, p) for n, p in model.named_parameters()
+             if not n.startswith("experts.") or int(n.split(".")[1]) // 2 == ep]
+    with pytest.raises(ValueError, match=r"DTensor parameter experts\.\d\.w1\.weight of rank "
+                                         r"\d is another parameter on rank \d"):
+        ZeroMuon(named)
 
 
 def test_ep_x_fsdp_and_ep_with_tp_2x2_bitwise_parity_and_bytes(tmp_path):

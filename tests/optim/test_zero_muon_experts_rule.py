@@ -119,3 +119,35 @@ def test_top2_router_training_equals_per_expert_torch_muon(grouped, masters, tmp
         assert st.ns_calls == 1 + 3 * (4 if grouped else 3)    # router + every expert matrix
     finally:
         opt.close()
+
+
+def test_transformers_fused_experts_equal_per_expert_torch_muon():
+    """A tiny transformers 5.x Qwen3-MoE (built in code): its fused ``gate_up_proj [E, 2I, H]``
+    and ``down_proj [E, H, I]`` and its router use Muon, one matrix per expert, and two
+    training steps equal torch Muon on each expert slice + AdamW, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    ref = copy.deepcopy(model)
+    kw, akw = dict(lr=0.02), dict(lr=1e-3)
+    with ZeroMuon(model.named_parameters(), **kw, adamw=akw, model=model) as opt:
+        kinds = {i.name: (i.kind, i.matrices) for i in opt.infos}
+        assert kinds["model.layers.0.mlp.experts.gate_up_proj"] == ("muon", 4)
+        assert kinds["model.layers.0.mlp.experts.down_proj"] == ("muon", 4)
+        assert kinds["model.layers.0.mlp.gate.weight"] == ("muon", 1)
+        assert kinds["model.embed_tokens.weight"][0] == kinds["lm_head.weight"][0] == "adamw"
+        sref = SliceReference(ref, kw, akw)
+        for step in range(2):
+            ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.grad = None if p.grad is None else p.grad.clone()
+            opt.step()
+            sref.step()
+            opt.zero_grad()
+            sref.zero_grad()
+            check_parity(opt, model, sref, f"step {step}")
