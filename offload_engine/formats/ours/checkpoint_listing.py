@@ -33,15 +33,17 @@ class GenerationRemovedError(CheckpointError):
 def was_removed(gen: str, error: BaseException) -> GenerationRemovedError | None:
     """The error to raise instead of ``error`` (met while reading generation ``gen``) when
     ``gen`` no longer exists under its name; None when it does (then ``error`` stands: a
-    file missing from a generation still there is damage, not retention)."""
-    if os.path.isdir(gen):
+    file missing from a generation still there is damage, not retention, or ``error``
+    already says so: a reader nested in another)."""
+    if isinstance(error, GenerationRemovedError) or os.path.isdir(gen):
         return None
     name = os.path.basename(os.path.normpath(gen))
     how = ("keep_last retention of the run saving into the folder is removing it"
            if os.path.lexists(deleting_path(gen)) else "it no longer exists")
     return GenerationRemovedError(
-        f"{gen}: generation {name} was removed while being read ({how}); what was loaded "
-        f"is incomplete: load again to read the generation latest names now ({error})")
+        f"{gen}: generation {name} was removed while being read ({how}), not damaged: "
+        f"what was read is incomplete; load again, or run the command again, to read the "
+        f"generation 'latest' names now ({error})")
 
 
 def find_generation(ckpt_dir: str, tag: str | None = None) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures
+import functools
 import math
 import os
 from typing import Sequence
@@ -38,14 +39,31 @@ from ...layout.metadata_crc import file_crc32c
 from ...units import MiB
 from ..errors import CheckpointError
 from ..source import KIND_LABELS, Progress, SourceInfo, TensorMeta, TensorSource, Visit
-from .checkpoint_listing import find_generation
+from .checkpoint_listing import find_generation, was_removed
 from .shard_tables import ShardTables
 from .tensor_table import gc_paused, parse_manifest, read_manifest_attrs
 from .windows import ChunkedArray, RangeReader, WindowStream
-from ...errors import InputError
+from ...errors import InputError, OffloadEngineError
 
 DEFAULT_WINDOW = 16 * MiB
 DEFAULT_DEPTH = 4   # windows read ahead: 80 MiB in flight at 16 MiB, more than fio's 8 x 8 MiB
+
+
+def _removal_reported(method):
+    """``method`` of a checkpoint generation's reader, its errors checked for a generation
+    removed meanwhile (``keep_last`` of the run writing the folder): that is reported as
+    ``GenerationRemovedError`` for every reader at once (load, consolidate, inspect, diff,
+    export), while a file missing from a generation still there stays corruption."""
+    def reported(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (OffloadEngineError, OSError) as e:
+            removed = (was_removed(self.group, e)
+                       if getattr(self, "kind", None) == "checkpoint" else None)
+            if removed is None:
+                raise
+            raise removed from e
+    return functools.wraps(method)(reported)
 
 
 class OursSource(TensorSource):
@@ -66,6 +84,7 @@ class OursSource(TensorSource):
             0's, its arrays), and W ranks reading every table would read them W times.
     """
 
+    @_removal_reported
     def __init__(self, group: str, kind: str, generation: str | None = None,
                  window_bytes: int = DEFAULT_WINDOW, depth: int = DEFAULT_DEPTH,
                  io_threads: int = 8, attrs: dict | None = None,
@@ -111,6 +130,7 @@ class OursSource(TensorSource):
         self._ranges: RangeReader | None = None
         self._disjoint: set[str] = set()   # box tensors checked not to overlap
 
+    @_removal_reported
     def verify_metadata(self) -> None:
         """Check the crc32c of every metadata file the manifest records (shard tables and
         array zarr.json files; the manifest's own seal was checked when it was read) without
@@ -273,6 +293,7 @@ class OursSource(TensorSource):
                 tables.add(r, doc, self._table_path(r))
                 del doc
 
+    @_removal_reported
     def placements(self) -> dict:
         """{(tensor, state): [Placement]} from every held rank's shard table."""
         self._before_data()
@@ -290,6 +311,7 @@ class OursSource(TensorSource):
         return self._tables.placements(t.name, state)
 
     # -- TensorSource ----------------------------------------------------------------------
+    @_removal_reported
     def aliases(self) -> dict[str, str]:
         """``{alias: owner}``: tied names the save recorded (the manifest's ``aliases``),
         checked: each owner a tensor of the table, no alias one. CheckpointError naming the
@@ -312,6 +334,7 @@ class OursSource(TensorSource):
     def tensors(self) -> list[TensorMeta]:
         return self.manifest.tensors
 
+    @_removal_reported
     def check_readable(self, keys) -> None:
         """The metadata checksums, the shard tables that hold ``keys`` and the zarr.json of
         every array they point into (dtype, numel and chunk count against the manifest):
@@ -332,6 +355,7 @@ class OursSource(TensorSource):
             self._ranges = RangeReader(self._io, self._pool, self.window_bytes, cache_windows=2)
         return self._ranges
 
+    @_removal_reported
     def read(self, requests) -> None:
         self._before_data()
         for req in requests:
@@ -410,6 +434,7 @@ class OursSource(TensorSource):
                         f"shape={list(b[1])} of 'boxes_per_rank' overlap")
         self._disjoint.add(t.name)
 
+    @_removal_reported
     def scan(self, keys: Sequence[tuple[str, str]], visit: Visit, progress: Progress | None = None,
              window_bytes: int | None = None, workers: int = 1) -> int:
         """Array by array, window by window, in storage order; each window's tensor pieces
