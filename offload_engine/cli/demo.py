@@ -150,9 +150,9 @@ def run(args) -> int:
         print("[5/6] inspect the checkpoint")
         rc_inspect = _optional(cli_main, ["inspect", ckpt])
         print()
-        print("[6/6] plan the same model at this world size")
+        print("[6/6] plan the run just made: the same model, world size, dtype, store and disk")
         rc_plan = _optional(cli_main, ["plan", "--model", _shapes_file(base, model),
-                                       "--world-size", str(args.world_size)])
+                                       *_plan_of_the_run(args, base)])
         print()
 
         recs = first["records"] + second["records"]
@@ -191,6 +191,17 @@ def _optional(cli_main, argv):
         return cli_main(argv)
     except SystemExit as e:  # argparse
         return int(e.code or 0)
+
+
+def _plan_of_the_run(args, base: str) -> list[str]:
+    """plan's options for what the demo ran (demo/train.py): fp32 parameters on this
+    machine's CPU or GPUs, state homed on NVMe under ``base`` through the run's pool."""
+    from ..demo.train import TrainConfig
+    run = TrainConfig(store_dir=base)
+    return ["--world-size", str(args.world_size), "--gpus-per-node", str(args.world_size),
+            "--param-dtype", "fp32", "--device", "cuda" if _cuda() else "cpu",
+            "--home", "nvme", "--cpu-budget", run.cpu_budget, "--bucket-bytes", run.bucket_bytes,
+            "--prefetch-depth", "2", "--nvme", base]
 
 
 def _shapes_file(base: str, model) -> str:

@@ -21,6 +21,22 @@ from ..errors import InputError
 # building the parser for other subcommands does not pay for it
 
 
+def capacity(text: str) -> int:
+    """A memory or disk size that must carry its unit: "80GB", "512GiB", "2TB" (or 0). A bare
+    number would be bytes, and "--gpu-mem 80" meant 80 GB, not 80 bytes."""
+    bare = text.strip().replace(".", "", 1).replace("_", "")
+    if bare.isdigit() and float(text) != 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit: write {text.strip()}GB or {text.strip()}GiB (a size "
+            f"without a unit would be {text.strip()} bytes)")
+    return byte_size(text)
+
+
+def host_memory_arg(text: str) -> str:
+    """--cpu-mem: "auto" (this machine's memory) or a size with its unit."""
+    return text if text == "auto" else str(capacity(text))
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="bytes per GPU, pinned CPU and NVMe for a model; verdicts and a store config",
@@ -42,14 +58,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "parallelism for a mixture of experts, N ranks taken from S x T")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
                    help="ranks per node (default 8; fewer if W is smaller)")
-    p.add_argument("--gpu-mem", type=byte_size, default=80 * 10**9, metavar="SIZE",
+    p.add_argument("--gpu-mem", type=capacity, default=80 * 10**9, metavar="SIZE",
                    help="memory per GPU (default 80GB)")
-    p.add_argument("--cpu-mem", default="auto", metavar="SIZE",
-                   help="host memory per node (default auto: this machine's)")
+    p.add_argument("--cpu-mem", type=host_memory_arg, default="auto", metavar="SIZE",
+                   help="host memory per node of the machines you will run on (default auto: "
+                        "this machine's, said in the plan's notes)")
     p.add_argument("--nvme", nargs="+", default=[], metavar="PATH",
                    help="NVMe directories of a node (state is striped over them); their free "
                         "space and the bandwidth `bench disk` cached for them are used")
-    p.add_argument("--nvme-capacity", type=byte_size, default=None, metavar="SIZE",
+    p.add_argument("--nvme-capacity", type=capacity, default=None, metavar="SIZE",
                    help="NVMe bytes free for state per node (default: free space of --nvme)")
     p.add_argument("--read-gbps", type=float, default=None, help="NVMe read GB/s per node (overrides the cache)")
     p.add_argument("--write-gbps", type=float, default=None, help="NVMe write GB/s per node (overrides the cache)")
@@ -73,9 +90,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"store prefetch depth (default {depth})")
     p.add_argument("--home", choices=("auto", "cpu", "nvme"), default="auto",
                    help="home tier of the state (default auto: cpu when it fits, else nvme)")
-    p.add_argument("--cpu-budget", type=byte_size, default=None, metavar="SIZE",
+    p.add_argument("--cpu-budget", type=capacity, default=None, metavar="SIZE",
                    help="pinned pool per rank (default: chosen by the plan)")
-    p.add_argument("--activations", type=byte_size, default=0, metavar="SIZE",
+    p.add_argument("--activations", type=capacity, default=0, metavar="SIZE",
                    help="activation bytes per GPU to add (not modelled; default 0)")
     p.add_argument("--step-time", type=float, default=None, metavar="S",
                    help="seconds per optimizer step, for drive writes per day")
@@ -84,7 +101,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="peak dense TFLOP/s per GPU (default 989)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization (default 0.4)")
     p.add_argument("--dwpd", type=float, default=1.0, help="drive endurance rating, drive writes per day (default 1)")
-    p.add_argument("--drive-bytes", type=byte_size, default=None, metavar="SIZE",
+    p.add_argument("--drive-bytes", type=capacity, default=None, metavar="SIZE",
                    help="NVMe drive capacity per node, for writes per day (default: the --nvme devices')")
     p.add_argument("--emit-config", default=None, metavar="FILE",
                    help="write the store config (JSON, accepted by ZeroMuon as it is)")
@@ -97,8 +114,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def machine_from_args(args):
     from ..plan import disk_profile
+    from ..plan.placement import usable_gpu
     from ..plan.planner import DEFAULT_IO, Machine
     cpu_mem = _host_memory() if args.cpu_mem == "auto" else parse_bytes(args.cpu_mem)
+    if args.device == "cuda" and usable_gpu(args.gpu_mem) <= 0:
+        raise InputError(f"--gpu-mem {format_bytes(args.gpu_mem)}: nothing is usable after the "
+                         f"reserve of max(1 GiB, 5%); give the GPU's memory with its unit "
+                         f"(80GB, 141GB)")
     m = Machine(gpu_mem=args.gpu_mem, cpu_mem=cpu_mem, gpus_per_node=args.gpus_per_node,
                 nvme_paths=[os.path.abspath(p) for p in args.nvme], dwpd_rating=args.dwpd)
     devices: dict[int, str] = {}
@@ -168,6 +190,26 @@ def add_mesh(doc: dict, mesh, model, args, opts) -> None:
         f"shard group")
 
 
+def explain_inputs(doc: dict, args, machine) -> None:
+    """Say where figures the user did not give came from, first among the notes: the host
+    memory (--cpu-mem auto is this machine's, not the target node's), and why a smaller world
+    size can fit when the one asked for does not."""
+    notes = []
+    auto = args.cpu_mem == "auto"
+    doc["inputs"]["cpu_mem_source"] = "auto: this machine's memory" if auto else "given"
+    if auto:
+        notes.append(f"host memory per node is this machine's, {format_bytes(machine.cpu_mem)} "
+                     f"(--cpu-mem auto): pass --cpu-mem SIZE for the nodes you will run on")
+    v = doc["verdict"]
+    smallest, asked = v["smallest_world_size"], doc["inputs"]["world_size"]
+    if not v["fits"] and smallest and smallest < asked:
+        notes.append(f"{smallest} ranks fit where {asked} do not because fewer ranks share each "
+                     f"node's host memory ({min(smallest, args.gpus_per_node)} per node instead "
+                     f"of {min(asked, args.gpus_per_node)}); more host memory per node "
+                     f"(--cpu-mem) or fewer --gpus-per-node lets {asked} fit")
+    v["notes"][:0] = notes
+
+
 def _host_memory() -> int:
     import psutil
     return int(psutil.virtual_memory().total)
@@ -201,6 +243,7 @@ def run(args) -> int:
                      cpu_budget=args.cpu_budget)
     if mesh is not None:
         add_mesh(doc, mesh, model, args, opts)
+    explain_inputs(doc, args, machine)
     if args.emit_config:
         with open(args.emit_config, "w") as f:
             json.dump(doc["store_config"], f, indent=2)

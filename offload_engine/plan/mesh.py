@@ -130,7 +130,8 @@ def _resolve(degrees: dict, world_size: int | None, source: str) -> Mesh:
     mesh = Mesh(**degrees)
     if world_size is not None and mesh.world_size != world_size:
         raise InputError(f"--mesh {source}: the degrees multiply to {mesh.world_size} ranks, "
-                         f"but --world-size is {world_size}")
+                         f"but --world-size is {world_size}; leave --world-size out, or set one "
+                         f"degree to -1 to take the rest (e.g. dp_shard=-1)")
     if mesh.shard_group % mesh.ep:
         fits = [d for d in range(1, mesh.shard_group + 1) if mesh.shard_group % d == 0]
         raise InputError(f"--mesh {source}: ep={mesh.ep} must divide dp_shard x tp = "
@@ -143,12 +144,26 @@ def _resolve(degrees: dict, world_size: int | None, source: str) -> Mesh:
 def check_nodes(mesh: Mesh, gpus_per_node: int) -> None:
     """A shard group must fill whole nodes (module docstring)."""
     if mesh.world_size % gpus_per_node:
+        fits = [g for g in range(1, gpus_per_node + 1) if mesh.world_size % g == 0]
         raise InputError(f"--mesh: {mesh.world_size} ranks do not fill nodes of "
-                         f"{gpus_per_node} GPUs")
+                         f"{gpus_per_node} GPUs; --gpus-per-node {fits[-1]} would, or a world "
+                         f"size that is a multiple of {gpus_per_node}")
     if mesh.shard_group % gpus_per_node and mesh.shard_group > 1:
         raise InputError(f"--mesh: a shard group (dp_shard x tp = {mesh.shard_group} ranks) "
                          f"must fill whole nodes of {gpus_per_node} GPUs; the planner does not "
-                         f"model nodes holding parts of several shard groups")
+                         f"model nodes holding parts of several shard groups. "
+                         f"{_whole_node_meshes(mesh, gpus_per_node)}")
+
+
+def _whole_node_meshes(mesh: Mesh, gpus_per_node: int) -> str:
+    """Meshes of the same world size and tp whose shard groups fill whole nodes."""
+    W, T = mesh.world_size, mesh.tp
+    options = [f"dp_replicate={W // (s * T)},dp_shard={s},tp={T}"
+               for s in range(1, W // T + 1)
+               if (W // T) % s == 0 and (s * T) % gpus_per_node == 0]
+    if not options:
+        return f"No mesh of {W} ranks with tp={T} does."
+    return "These would: " + "; ".join(options[:4]) + ("; ..." if len(options) > 4 else "")
 
 
 def mesh_figures(mesh: Mesh, gpus_per_node: int, muon_shapes: list[tuple[int, ...]],

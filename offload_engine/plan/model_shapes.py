@@ -100,7 +100,7 @@ def load_model(path: str, dtype: str = "bfloat16") -> ModelShapes:
     holding one). ``dtype`` is the training parameter dtype given to config/shape inputs
     (safetensors headers carry their own, but training dtype is chosen by the caller)."""
     if not os.path.exists(path):
-        raise ModelInputError(f"{path}: no such file or directory")
+        raise ModelInputError(_missing(path))
     if os.path.isdir(path):
         return _load_dir(path, dtype)
     if path.endswith(".safetensors"):
@@ -159,14 +159,28 @@ def _stem(path: str) -> str:
     return base
 
 
+def _missing(path: str) -> str:
+    """The error for a --model that is not on disk; a Hugging Face hub id ("org/name") gets
+    told that only local files are read, and how to fetch the one file the plan needs."""
+    hub_like = (path.count("/") == 1 and not path.startswith((".", "/", "~"))
+                and not path.endswith((".json", ".safetensors")))
+    if hub_like:
+        return (f"{path}: not a local file or directory; plan reads local files only and "
+                f"downloads nothing. Fetch the model's config.json (for example `hf download "
+                f"{path} config.json --local-dir {path.split('/')[-1]}`) and pass its path")
+    return f"{path}: no such file or directory"
+
+
 def _model_name(path: str, doc: dict) -> str:
+    """The model's label: the config's own ``_name_or_path`` (a hub id), else its architecture
+    and the file it came from (a folder's name says nothing of the model)."""
     name = doc.get("_name_or_path")
     if isinstance(name, str) and name:
         return name
-    stem = _stem(path)
-    if stem == "config":
-        return os.path.basename(os.path.dirname(os.path.abspath(path))) or stem
-    return stem
+    archs = doc.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    kind = arch or (doc.get("model_type") if isinstance(doc.get("model_type"), str) else None)
+    return f"{kind} from {path}" if kind else _stem(path)
 
 
 # --------------------------------------------------------------------------------------------
