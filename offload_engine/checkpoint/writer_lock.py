@@ -26,6 +26,7 @@ so a second one from the same process would refuse itself).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -111,6 +112,25 @@ def hold_for(ckpt_dir: str, owner) -> WriterLock:
             owner.__dict__.setdefault(CLOSE_CALLBACKS, []).append(
                 functools.partial(_drop_owner, key, id(owner)))
     return lock
+
+
+class _OfflineWriter:
+    """The owner of a lock an offline writer holds for one ``with`` block (``held``)."""
+
+
+@contextlib.contextmanager
+def held(ckpt_dir: str):
+    """The writer lock of ``ckpt_dir`` for the duration of a ``with`` block: an offline
+    writer of the folder (``import deepspeed``) is one writer like a training, refused
+    (CheckpointLockedError naming the holder) while a run holds the folder, and refusing
+    a run's save while it writes. Released at the block's end, however it ends."""
+    owner = _OfflineWriter()
+    lock = hold_for(ckpt_dir, owner)
+    try:
+        yield lock
+    finally:
+        for release in owner.__dict__.pop(CLOSE_CALLBACKS, []):
+            release()
 
 
 def _drop_owner(key: tuple[int, int], owner_id: int) -> None:

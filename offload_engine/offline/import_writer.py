@@ -24,6 +24,7 @@ from typing import Callable
 from ..checkpoint.checkpoint_dir import prepare_staging, report_done, report_failed
 from ..checkpoint.rank_writer import RankWriter
 from ..checkpoint.save import CHUNK_BYTES, COMMIT_TIMEOUT_S, array_name, commit_generation
+from ..checkpoint.writer_lock import held
 from ..layout import create_group
 from ..layout.checkpoint_names import generation_name, staging_path
 from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, fsdp_rows, rank_group,
@@ -122,7 +123,18 @@ def write_generation(out_dir: str, step: int, world: int, plans: list[TensorPlan
                      chunk_bytes: int = CHUNK_BYTES, progress=None) -> Written:
     """Write and commit generation ``step-<step>`` of ``plans`` for ``world`` ranks under
     ``out_dir``. ``extra_attrs`` join the manifest. ``progress(rank, bytes)`` after each
-    rank. A failure leaves no ``.partial`` folder behind and nothing committed."""
+    rank. A failure leaves no ``.partial`` folder behind and nothing committed. The
+    folder's writer lock is held throughout: CheckpointLockedError, naming the holder, while
+    a run saves into ``out_dir`` (and that run's saves are refused until the import ends)."""
+    with held(out_dir):
+        return _write_generation(out_dir, step, world, plans, read, extra_attrs,
+                                 window_bytes, chunk_bytes, progress)
+
+
+def _write_generation(out_dir: str, step: int, world: int, plans: list[TensorPlan],
+                      read: Reader, extra_attrs: dict, window_bytes: int, chunk_bytes: int,
+                      progress) -> Written:
+    """``write_generation`` under the folder's writer lock."""
     name = generation_name(step)
     final = os.path.join(out_dir, name)
     staging = staging_path(final)
