@@ -23,6 +23,7 @@ import traceback
 
 from .. import __version__
 from ..errors import InputError, OffloadEngineError
+from .examples import add_examples
 from .printable import printable
 
 # subcommand name -> module under offload_engine.cli
@@ -36,6 +37,7 @@ COMMANDS = {
     "export": "export",
     "config": "config",
     "import": "import_",
+    "completion": "completion",
 }
 
 
@@ -63,8 +65,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="offload-engine",
         description="Optimizer-state offload engine: benchmarks, checkpoint tools and the demo.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    parser.add_argument("--version", action="version", version=f"offload-engine {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks and debug logs (before or after the command)")
+    parser.add_argument("-V", "--version", action=_VersionAction,
+                        help="print the versions of offload-engine, torch and Python")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         if only is not None and name != only:
@@ -72,7 +76,51 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         mod = importlib.import_module(f"offload_engine.cli.{module}")
         mod.add_parser(sub)
+    for path, command in subparsers_of(parser):
+        # --debug after the command too ("offload-engine inspect X --debug"); SUPPRESS keeps
+        # a subcommand from resetting a --debug given before it. Hidden: the top-level help
+        # lists it once.
+        if "--debug" not in command._option_string_actions:
+            command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                 help=argparse.SUPPRESS)
+        add_examples(command, path)
+    add_examples(parser, ())
     return parser
+
+
+def subparsers_of(parser: argparse.ArgumentParser, path: tuple = ()):
+    """(command words, parser) of every subcommand under ``parser``, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, command in action.choices.items():
+                yield path + (name,), command
+                yield from subparsers_of(command, path + (name,))
+
+
+def version_text() -> str:
+    """The versions a bug report needs, read from the installed packages' metadata (torch is
+    not imported: that takes seconds)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return (f"offload-engine {__version__} (torch {torch_version}, "
+            f"Python {platform.python_version()})")
+
+
+class _VersionAction(argparse.Action):
+    """``-V``/``--version``: print :func:`version_text` and exit 0; computed only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())  # to stdout, as argparse's own version action
+        parser.exit()
 
 
 def _command_in(argv: list[str]) -> str | None:
@@ -89,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_in(argv)
     # --version alone loads no subcommand (each one imports numpy or torch)
-    parser = build_parser(only="" if command is None and "--version" in argv else command)
+    asks_version = "--version" in argv or "-V" in argv
+    parser = build_parser(only="" if command is None and asks_version else command)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
