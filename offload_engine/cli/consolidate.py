@@ -21,7 +21,7 @@ from ..offline.hf_extras import copy_extras, find_extras
 from ..offline.hf_shards import parse_size
 from ..offline.state_dict import open_weights
 from .printable import printable
-from .progress import ProgressLine
+from .progress import ProgressLine, wanted
 from .terminate import until_sigterm
 
 # DeepSpeed's zero_to_fp32.py spellings, accepted so its command lines work unchanged;
@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     with open_weights(args.src, args.tag) as source:
         # metadata only: bad expert stacks are refused before anything is written
         source, experts_note = expert_naming(source, args.experts, find_config(extras))
-        progress = ProgressLine() if sys.stderr.isatty() else None
+        progress = ProgressLine() if wanted(args) else None
         result = consolidate(source, args.out, max_shard_bytes=max_shard, dtype=dtype,
                              window_bytes=window, exclude_frozen=args.exclude_frozen,
                              progress=progress)

@@ -15,7 +15,7 @@ from ..formats import KIND_LABELS
 from ..offline.diff import diff_sources
 from .inspect import _num, _table, add_expert_argument, open_input
 from .printable import printable
-from .progress import ProgressLine
+from .progress import ProgressLine, wanted
 from ..errors import InputError
 
 EXIT_DIFFERENT = 1
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     mode = _mode(args.state)
     with open_input(args.a, args.generation_a, args.expert) as a, \
             open_input(args.b, args.generation_b, args.expert) as b:
-        progress = ProgressLine(label="diff") if sys.stderr.isatty() else None
+        progress = ProgressLine(label="diff") if wanted(args) else None
         report = diff_sources(a, b, rtol=args.rtol, atol=args.atol, mode=mode, names=args.name,
                               ignore_dtype=args.ignore_dtype, progress=progress,
                               values=not args.metadata_only)

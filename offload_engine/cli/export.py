@@ -14,6 +14,7 @@ from ..offline.export import export_tensor
 from ..units import format_bytes
 from .inspect import add_expert_argument, open_input
 from .printable import printable
+from .progress import ProgressLine, wanted
 
 # the spellings --dtype takes (offload_engine.dtypes knows them all)
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
@@ -50,7 +51,13 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with open_input(args.path, args.generation, args.expert) as source:
         name = source.resolve(args.name) if args.expert is not None else args.name
-        r = export_tensor(source, name, args.out, state=args.state, dtype=args.dtype)
+        progress = ProgressLine(label="export") if wanted(args) else None
+        try:
+            r = export_tensor(source, name, args.out, state=args.state, dtype=args.dtype,
+                              progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
     if args.json:
         print(json.dumps({**r, "source": source.info.path,
                           "seconds": round(time.perf_counter() - started, 3)}, indent=2))

@@ -13,6 +13,7 @@ import sys
 
 from ..offline.hf_shards import parse_size
 from ..errors import InputError
+from .progress import RankProgress, wanted
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -58,9 +59,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise InputError(f"--world-size must be at least 1, not {args.world_size}")
-    summary = from_deepspeed(args.ckpt, args.out, args.world_size, tag=args.tag,
-                             model_config=args.model_config,
-                             window_bytes=parse_size(args.window_size))
+    progress = RankProgress(args.world_size) if wanted(args) else None
+    try:
+        summary = from_deepspeed(args.ckpt, args.out, args.world_size, tag=args.tag,
+                                 model_config=args.model_config,
+                                 window_bytes=parse_size(args.window_size), progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
         return 0

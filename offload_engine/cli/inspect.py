@@ -21,7 +21,7 @@ from ..offline.health import health_summary
 from ..offline.select import name_matches, select
 from ..units import format_bytes, parse_bytes
 from .printable import printable
-from .progress import ProgressLine
+from .progress import ProgressLine, wanted
 from ..errors import InputError
 
 EXIT_NONFINITE = 3
@@ -334,7 +334,7 @@ def inspect_one(path: str, generation: str | None, args: argparse.Namespace,
             keys = [(t.name, s) for t, states in selected for s in states]
             from ..offline.inspect_stats import collect_stats  # reduces in torch
 
-            progress = ProgressLine(label="inspect") if sys.stderr.isatty() else None
+            progress = ProgressLine(label="inspect") if wanted(args) else None
             stats, nbytes = collect_stats(source, keys, progress)
             result["stats"] = [{"name": n, "state": s, **{k: v for k, v in st.items() if k != "sumsq"}}
                                for (n, s), st in stats.items()]

@@ -49,10 +49,11 @@ def _numpy_dtype(dtype: DType, path: str) -> np.dtype:
 
 
 def export_tensor(source: TensorSource, name: str, out_path: str, state: str | None = None,
-                  dtype=None, window_bytes: int = 16 * MiB) -> dict:
+                  dtype=None, window_bytes: int = 16 * MiB, progress=None) -> dict:
     """Reassemble ``name``'s ``state`` and write it to ``out_path`` (format from the
     extension). ``dtype`` (anything ``dtypes.dtype`` takes) casts it (floats round to
-    nearest even). Returns a summary."""
+    nearest even). ``progress(bytes read, total bytes)`` after each window (.npy and
+    .safetensors; .pt is written in one call). Returns a summary."""
     ext = os.path.splitext(out_path)[1].lower()
     if ext not in FORMATS:
         raise FormatError(f"{out_path}: unknown output format {ext or '(no extension)'!r}; "
@@ -83,7 +84,7 @@ def export_tensor(source: TensorSource, name: str, out_path: str, state: str | N
                                        {"format": "pt", "state": state})
             with open(tmp, "wb") as f:
                 f.write(header)
-                _stream(source, t, state, out_dtype, f, window_bytes)
+                _stream(source, t, state, out_dtype, f, window_bytes, progress)
                 f.flush()
                 os.fsync(f.fileno())
     return {"name": name, "state": state, "shape": list(t.shape), "dtype": out_dtype.name,
@@ -91,9 +92,10 @@ def export_tensor(source: TensorSource, name: str, out_path: str, state: str | N
 
 
 def _stream(source: TensorSource, t: TensorMeta, state: str, out_dtype: DType, f,
-            window_bytes: int) -> None:
+            window_bytes: int, progress=None) -> None:
     src_dtype = t.states[state].dtype
     per = max(1, window_bytes // max(src_dtype.itemsize, out_dtype.itemsize))
+    total = t.numel * src_dtype.itemsize
     with BufferPool(2 * window_bytes + 8192) as pool:
         with pool.acquire(per * src_dtype.itemsize) as sb, \
                 pool.acquire(per * out_dtype.itemsize) as ob:
@@ -106,6 +108,8 @@ def _stream(source: TensorSource, t: TensorMeta, state: str, out_dtype: DType, f
                     out.copy_(data)
                     data = out
                 f.write(memoryview(data.view(torch.uint8).numpy()))
+                if progress is not None:
+                    progress((lo + n) * src_dtype.itemsize, total)
 
 
 def _npy_header(dtype: np.dtype, shape: tuple) -> bytes:

@@ -153,3 +153,46 @@ def test_bash_completes_a_command_and_an_option(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "cmd: config consolidate" in done.stdout or "cmd: consolidate config" in done.stdout
     assert "opt: --max-shard-size" in done.stdout
+
+
+# --- 5. progress with rate and ETA, on a terminal only --------------------------------
+
+def _assert_bar(text: str, label: str):
+    assert label in text, text
+    assert "/s" in text, f"no rate in {text!r}"
+    assert "<" in text, f"no ETA in {text!r}"   # tqdm: [elapsed<remaining, rate]
+
+
+def test_export_draws_a_bar_on_a_terminal(tmp_path, monkeypatch):
+    stderr = terminal(monkeypatch)
+    assert main(["export", DS_RUN, "emb.weight", "--out", str(tmp_path / "e.npy")]) == 0
+    _assert_bar(stderr.getvalue(), "export")
+
+
+def test_diff_draws_a_bar_on_a_terminal(monkeypatch):
+    stderr = terminal(monkeypatch)
+    assert main(["diff", DS_RUN, DS_RUN]) == 0
+    _assert_bar(stderr.getvalue(), "diff")
+
+
+def test_import_draws_a_bar_on_a_terminal(tmp_path, monkeypatch):
+    stderr = terminal(monkeypatch)
+    assert main(["import", "deepspeed", IMPORT_RUN, str(tmp_path / "ckpt"),
+                 "--world-size", "2"]) == 0
+    text = stderr.getvalue()
+    _assert_bar(text, "import")
+    assert "2/2" in text and "written" in text
+
+
+def test_no_bar_with_json(tmp_path, monkeypatch, capsys):
+    stderr = terminal(monkeypatch)
+    assert main(["export", DS_RUN, "emb.weight", "--out", str(tmp_path / "a.npy"),
+                 "--json"]) == 0
+    assert main(["diff", DS_RUN, DS_RUN, "--json"]) == 0
+    assert stderr.getvalue() == ""
+    json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    assert main(["export", DS_RUN, "emb.weight", "--out", str(tmp_path / "a.npy")]) == 0
+    assert capsys.readouterr().err == ""
