@@ -116,7 +116,16 @@ def run(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_table(result))
+        return 0
+    if result.get("cache_file"):  # stdout holds JSON: where it was saved goes to stderr
+        print(f"offload-engine bench disk: {saved_line(result)}", file=sys.stderr)
     return 0
+
+
+def saved_line(result: dict) -> str:
+    """Where the best settings were saved, who reads them, and how not to save them."""
+    return (f"saved to {result['cache_file']} (used by `offload-engine plan --nvme "
+            f"{result['path']}`; --no-cache: do not save)")
 
 
 def refresh_profile(args) -> int:
@@ -256,8 +265,7 @@ def format_table(result: dict) -> str:
                  f"io_threads {b['io_threads']}: read {b['read_gbps']:.2f} GB/s, write "
                  f"{b['write_gbps']:.2f} GB/s")
     if result.get("cache_file"):
-        lines.append(f"saved to {result['cache_file']} (used by `offload-engine plan --nvme "
-                     f"{result['path']}`)")
+        lines.append(saved_line(result))
     for n in result["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)

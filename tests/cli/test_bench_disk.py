@@ -117,3 +117,19 @@ def test_best_point_as_a_deepspeed_aio_block_round_trips(tmp_path, cache, capsys
     store = translate(block).store
     assert store["block_size"] == best["block_size"]
     assert store["queue_depth"] == min(best["queue_depth"], best["io_threads"])
+
+
+@pytest.mark.parametrize("mode", [[], ["--json"], ["--deepspeed-aio"]])
+def test_says_where_it_saved_and_how_not_to(mode, tmp_path, cache, capsys):
+    """It writes into the user's cache folder: it says so, where, and the opt-out (issue 31)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert main(["bench", "disk", "--path", str(disk), "--quick", *TINY[:2], "--block-sizes",
+                 "256KiB", "--queue-depths", "1", *TINY[-2:], *mode]) == 0
+    out, err = capsys.readouterr()
+    saved = [str(p) for p in cache.rglob("*") if p.is_file()]
+    assert len(saved) == 1
+    said = out if not mode else err  # stdout holds JSON with --json and --deepspeed-aio
+    assert f"saved to {saved[0]}" in said and "--no-cache" in said
+    if mode:
+        json.loads(out)
