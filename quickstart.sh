@@ -8,12 +8,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-if ! "$VPY" -c 'import offload_engine, pytest, tensorstore, transformers' >/dev/null 2>&1; then
+if ! "$VPY" -c 'import offload_engine, pytest, tensorstore, transformers, torchtitan.models.llama3' >/dev/null 2>&1; then
   "$VPY" -m pip install -q --upgrade pip
   # torch first, pinned: where a CPU wheel of 2.13.0 is on local disk pip takes it;
   # elsewhere PyPI serves the build for the platform.
   "$VPY" -c 'import torch' >/dev/null 2>&1 || "$VPY" -m pip install -q "torch==2.13.0"
-  "$VPY" -m pip install -q -e '.[test]'
+  "$VPY" -m pip install -q -e '.[test,torchtitan]'
+  # torchtitan without its pinned dependencies (pyproject.toml, the torchtitan extra, says why)
+  "$VPY" -m pip install -q --no-deps "torchtitan==0.3.0"
 fi
 # Byte-compile the package, as pip does for a regular install: an editable one is compiled
 # on first import only, and never where PYTHONDONTWRITEBYTECODE is set, and then every

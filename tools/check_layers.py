@@ -23,8 +23,8 @@ import pathlib
 import sys
 
 # The layers, lowest first: the one list; docs cite it rather than copy it.
-ORDER = ["io", "layout", "store", "optim", "formats", "checkpoint", "offline", "consolidate",
-         "migrate", "plan", "demo", "cli"]
+ORDER = ["io", "layout", "store", "optim", "formats", "checkpoint", "integrations", "offline",
+         "consolidate", "migrate", "plan", "demo", "cli"]
 # Top-level modules (offload_engine/<name>.py) below every layer. "__init__" is the package
 # itself: `import offload_engine` and `from offload_engine import __version__` reach it.
 BASE = ["__init__", "errors", "units", "dtypes", "jsonlimits", "envflags"]
