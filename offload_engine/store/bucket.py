@@ -35,7 +35,8 @@ class Bucket:
     h2d_event: Any = None  # torch.cuda.Event: a copy from buf to the GPU has read it
     pinned_home: bool = False  # cpu/gpu home: never evicted
     gpu_users: int = 0
-    saving: bool = False   # being copied for a snapshot: users wait before changing it
+    saving: bool | int = False  # being copied for a snapshot (by its thread: True; by an
+    # acquire: that thread's id): users wait before changing it
     io_since: float = 0.0  # time.monotonic() when its read or write-back started
 
     @property

@@ -94,24 +94,30 @@ class Snapshot:
         if not buckets:
             self.finished.set()
 
-    def take(self, bucket) -> bool:
-        """Claim ``bucket`` for copying (caller holds the store lock)."""
-        if bucket not in self.pending_set or self.error is not None:
-            return False
-        self.pending_set.discard(bucket)
-        return True
-
     def before_use(self, bucket, cv: threading.Condition) -> bool:
         """(Store lock held, in an acquire that holds ``bucket``.) Wait while the thread
         copies ``bucket`` (the user caught up with it); then claim it if it is still to be
-        copied: True means the caller copies it first (``copy(bucket, inline=True)``)."""
+        copied: True means the caller copies it first (``copy(bucket, inline=True)``).
+        The claim is ``bucket.saving`` set to the caller's thread id, made before anything
+        else: an acquire that Ctrl-C ends before its copy finds it and ``abandon``s it."""
         while bucket.saving:
             self.caught_up = True
             cv.wait()
-        if not self.take(bucket):
+        if bucket not in self.pending_set or self.error is not None:
             return False
-        bucket.saving = True
+        bucket.saving = threading.get_ident()
+        self.pending_set.discard(bucket)
         return True
+
+    def abandon(self, bucket, interrupt: BaseException) -> None:
+        """(Store lock held.) An acquire claimed ``bucket`` (``before_use``) and an
+        interrupt ended it before the copy ran: the snapshot fails, the bucket settles."""
+        self.pending_set.discard(bucket)
+        bucket.saving = False
+        self.fail(SnapshotInterruptedError(
+            f"snapshot interrupted ({type(interrupt).__name__}) before copying "
+            f"{bucket.array.name} bucket {bucket.index}"))
+        self.settle(1)
 
     def next_bucket(self):
         """The next unclaimed bucket for the background thread (caller holds the store lock):

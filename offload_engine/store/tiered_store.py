@@ -143,8 +143,7 @@ class TieredStore:
             self._policy.note_use(b.key)
             t0 = time.monotonic()
             waited = self._hold(b)
-        # from here on whatever ends the acquire (an error, Ctrl-C in a wait or a copy)
-        # gives the hold back: a bucket held with no handle would block every snapshot
+        # whatever ends the acquire from here (an error, Ctrl-C) gives the hold back
         try:
             with self._lock:
                 # copy-on-acquire: a bucket a snapshot still has to copy is copied before use
@@ -164,15 +163,16 @@ class TieredStore:
                 else:  # may fail (the gpu tier full): the bucket is not lent after all
                     tensor = self.gpu.stage(b)[start - b.start:stop - b.start]
                 return Handle(name, start, stop, dev, tensor, b)
-        except BaseException:
+        except BaseException as e:
             with self._lock:
+                if b.saving == threading.get_ident():  # claimed for a snapshot, not copied
+                    self._snapshot.abandon(b, e)
                 self._unhold(b)
             raise
 
     def keep(self, name: str, index: int) -> Handle:
-        """Keep bucket ``index`` of array ``name`` in the pinned pool until the handle is
-        released (never a victim), without lending its bytes: ``handle.tensor`` is None and
-        changes go through ``acquire``, so a ``snapshot`` may run while it is kept."""
+        """Keep bucket ``index`` of ``name`` resident until the handle is released, lending no
+        bytes (``handle.tensor`` is None), so a ``snapshot`` may run meanwhile."""
         h = self.acquire(name, index, device="cpu")
         try:
             with self._lock:
@@ -214,8 +214,8 @@ class TieredStore:
             self._policy.withdraw(b.key)
 
     def _hold(self, b: Bucket) -> bool:
-        """(Lock held.) One more holder of ``b``: from now on not a victim, even while its
-        read is awaited; brings it in and returns whether that waited. Undone on failure."""
+        """(Lock held.) One more holder of ``b`` (no victim from now on); brings it in and
+        returns whether that waited. Undone on failure."""
         b.refs += 1
         try:
             self._update_candidate(b)
@@ -311,8 +311,8 @@ class TieredStore:
         with self._lock:
             err = fut.exception()
             if err is not None:
-                err = for_bucket("read", b, err)
-                if b.refs:  # an acquire waits for these bytes: it raises the error
+                retry, err = interrupted_start(err), for_bucket("read", b, err)
+                if b.refs and not retry:  # an acquire waits for these bytes: it raises the error
                     b.error = err
                 else:  # a read ahead nobody waits for: the acquire that needs it reads again
                     log.warning("%s (read again when needed)", err)

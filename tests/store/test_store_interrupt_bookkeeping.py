@@ -144,3 +144,32 @@ def test_ctrl_c_at_the_start_of_a_write_back_leaves_flush_working(tmp_path, monk
         assert bool((h.tensor == i + 1).all()), (i, h.tensor[:2])
         s.release(h)
     within(30, s.close)
+
+
+def test_ctrl_c_between_claiming_a_bucket_for_a_snapshot_and_copying_it(tmp_path, monkeypatch):
+    """The acquire claimed the bucket for the snapshot, and Ctrl-C lands before its copy
+    starts: before the fix the bucket stayed "being saved" and the next acquire of it (the
+    handler's own save reading the state) waited forever, as did the snapshot."""
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 4 * B // 4)
+        run_steps(s, "m", 1)
+        snap, go, held = held_snapshot(s)
+        other = next(i for i in range(4) if i not in held)
+        copy = Snapshot.copy
+
+        def interrupted(self, bucket, inline):
+            if inline:
+                raise KeyboardInterrupt  # at the call, before the copy's own try
+            return copy(self, bucket, inline)
+
+        monkeypatch.setattr(Snapshot, "copy", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            s.acquire("m", other)
+        monkeypatch.undo()
+        go.set()
+        with pytest.raises(SnapshotInterruptedError, match=f"m bucket {other}"):
+            within(30, lambda: snap.wait(30))
+        h = within(30, lambda: s.acquire("m", other))
+        assert bool((h.tensor == 1).all())
+        s.release(h)
+        s.snapshot(lambda *a: None).wait(30)
