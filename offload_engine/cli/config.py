@@ -85,6 +85,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(result.report)} keys: {mapped} mapped, {len(result.report) - mapped} ignored")
     for w in result.warnings:
         print(f"warning: {w}")
+    if result.loop_code:
+        print("\ntraining loop (what DeepSpeed's engine did in engine.step(); paste where it "
+              "belongs):")
+        for key, lines in result.loop_code.items():
+            print(f"    # {key}")
+            for line in lines:
+                print(f"    {line}")
     print("\nstore config" + (f" (written to {args.out})" if args.out else "") + ":")
     print(_json(result.store))
     print("\nZeroMuon arguments" + (f" (written to {args.optimizer_out})"

@@ -238,11 +238,11 @@ class ZeroMuon(torch.optim.Optimizer):
         if store is None:
             cfg = StoreConfig.load({**cfg.model_dump(exclude_unset=True), "cpu_budget": max(needed, PAGE)})
         if self.device.type == "cuda" and not isinstance(store, TieredStore) and cfg.gpu_budget == 0:
-            # the step acquires buckets on the parameters' device: the store stages them there
+            # the step acquires buckets on the parameters' device: the store stages them there.
+            # A config without a gpu_budget (0, the default) gets what the step holds at once
             staging = working_buckets(self.layout) * cfg.bucket_bytes
-            if store is not None:
-                raise InputError(f"parameters are on {self.device}: give the store a gpu_budget "
-                                 f"(at least {staging} bytes to stage the buckets a step holds)")
+            log.info("ZeroMuon: parameters on %s and no gpu_budget given: %d bytes of GPU "
+                        "memory stage the buckets a step holds", self.device, staging)
             cfg = StoreConfig.load({**cfg.model_dump(exclude_unset=True), "gpu_budget": staging})
         self._own_store = not isinstance(store, TieredStore)
         self._pinned: list = []

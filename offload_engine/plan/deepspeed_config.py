@@ -21,6 +21,7 @@ from ..units import MiB, PAGE, format_bytes
 from ..errors import InputError
 from ..jsonlimits import read_json_file
 from .deepspeed_keys import check_keys
+from .deepspeed_loop import loop_code
 
 # Bytes of a DeepSpeed config read: real ones are 1-10 KB; a config is read whole.
 MAX_CONFIG_BYTES = 1 * MiB
@@ -64,10 +65,12 @@ class Translation:
     optimizer: dict
     report: list[KeyReport]
     warnings: list[str] = field(default_factory=list)
+    loop_code: dict[str, list[str]] = field(default_factory=dict)  # key -> torch lines
 
     def as_json(self) -> dict:
         return {"store": self.store, "optimizer": self.optimizer,
-                "report": [asdict(r) for r in self.report], "warnings": self.warnings}
+                "report": [asdict(r) for r in self.report], "warnings": self.warnings,
+                "loop_code": self.loop_code}
 
 
 def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -86,6 +89,7 @@ class _Builder:
     """Collects our values and the report while the rules run."""
 
     def __init__(self, ds: dict, source: str):
+        self.ds = ds
         self.keys = check_keys(ds, leaves(ds), source)
         self.store: dict = {}
         self.optimizer: dict = {}
@@ -130,8 +134,13 @@ def translate(ds: dict, source: str = "DeepSpeed config") -> Translation:
     _rule_precision(b)
     _rule_rest(b)
     store = StoreConfig.load(b.store, source=f"{source} (translated)")
-    return Translation(store.model_dump(mode="json"), b.optimizer,
-                       [b.report[k] for k in b.keys], b.warnings)
+    written = store.model_dump(mode="json")
+    if not store.gpu_budget:
+        # 0 is "not given": ZeroMuon then sizes the GPU staging a CUDA run needs itself;
+        # written out, a 0 read as a request for none
+        written.pop("gpu_budget", None)
+    return Translation(written, b.optimizer, [b.report[k] for k in b.keys], b.warnings,
+                       loop_code(ds))
 
 
 def _rule_offload_optimizer(b: _Builder) -> None:
@@ -336,6 +345,13 @@ def _rule_rest(b: _Builder) -> None:
         b.ignored(f"zero_optimization.{key}", "saving weights: save_checkpoint writes sharded "
                                               "state and `consolidate` writes the full weights")
     b.ignore_matching("zero_optimization.*", WHY_FSDP)
+    code = loop_code(b.ds)
+    if "gradient_clipping" in code:
+        b.ignored("gradient_clipping", f"{WHY_LOOP}: {code['gradient_clipping'][0]}")
+    if "scheduler" in code:
+        b.ignore_matching("scheduler.*", "the LR schedule is the training loop's: the lines "
+                                         "under 'training loop' below build the same schedule "
+                                         "on ZeroMuon")
     b.ignore_matching("scheduler.*", "the LR schedule is the training loop's: build a "
                                      "torch.optim.lr_scheduler on ZeroMuon")
     for key in b.keys:

@@ -148,5 +148,5 @@ def test_bad_inputs_exit_2_naming_the_file(tmp_path, capsys):
 def test_json_output(capsys):
     assert main(["config", "from-deepspeed", FIXTURE, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"store", "optimizer", "report", "warnings"}
+    assert set(doc) == {"store", "optimizer", "report", "warnings", "loop_code"}
     assert len(doc["report"]) == len(leaves(fixture()))
