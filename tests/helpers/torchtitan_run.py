@@ -154,8 +154,8 @@ def main():
     parallel_dims_module.device_type = "cpu"
     parallelism = ParallelismConfig(tensor_parallel_degree=args.tp,
                                     spmd_backend="partial_dtensor")
-    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=args.steps,
-                              mixed_precision_param="float32")
+    # torchtitan's default mixed precision: bf16 parameters in compute, fp32 gradient reduction
+    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=args.steps)
     parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
 
