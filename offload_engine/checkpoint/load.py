@@ -31,6 +31,7 @@ from ..optim.state_access import (held_box, local_param, mark_restored, param_st
                                   write_param_state)
 from .buffers import persistent_buffers
 from .model_load import fill, load_model_tensors, read_into as _read_into
+from .model_tensors import reshard_fsdp
 from .pending import finish_previous
 from .save import _collective, param_name
 from .supported import check_optimizer
@@ -69,6 +70,7 @@ def load_checkpoint(ckpt_dir: str, model: torch.nn.Module | None = None, optimiz
         finish_previous(opt)  # a save in progress reads the parameters this overwrites
     if rng is None:
         rng = model is not None and opt is not None
+    reshard_fsdp(model)  # fill the shards, not whole copies an evaluation left unsharded
     rank, _, _ = _collective()
     gen = find_generation(ckpt_dir, tag)
     try:

@@ -66,6 +66,24 @@ def local_rows(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t)
 
 
+def reshard_fsdp(model: torch.nn.Module | None) -> None:
+    """Every FSDP2 module of ``model`` back to its sharded parameters (``FSDPModule.reshard``:
+    local, no collective; the next forward gathers them again). After a forward with no
+    backward (an evaluation) FSDP2's root keeps its own parameters unsharded, registered as
+    plain whole tensors in place of the DTensors the optimizer holds: a save would take them
+    for frozen tensors rank 0 holds whole, and a load would fill the DTensors while the next
+    forward used the stale whole copies."""
+    if model is None:
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2: nothing can be unsharded
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def model_parameters(model: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     """Every distinct parameter of ``model`` with all the names it is reachable by, in
     ``named_parameters`` order (the first name is the one ``state_dict`` keeps first)."""

@@ -41,7 +41,8 @@ from . import training_state
 from .buffers import snapshot_buffers
 from .checkpoint_dir import (commit, prepare_staging, report_done, report_failed, wait_for_commit,
                              wait_for_ranks)
-from .model_tensors import frozen_parameters, frozen_rows, local_rows, row_block, tied_aliases
+from .model_tensors import (frozen_parameters, frozen_rows, local_rows, reshard_fsdp, row_block,
+                            tied_aliases)
 from .pending import PENDING_ATTR, PendingCheckpoint, finish_previous, guard
 from .rank_writer import RankWriter
 from .retention import apply_retention, check_keep_last
@@ -144,6 +145,7 @@ def save_checkpoint_async(ckpt_dir: str, model: torch.nn.Module, optimizer, step
     pending = PendingCheckpoint(final, step)
     buffers = snapshot_buffers(model) if rank == 0 and model is not None else {}
     try:
+        reshard_fsdp(model)  # an evaluation left FSDP2's root unsharded: save its shards
         frozen = [(n, t, frozen_rows(t, n, rank, world)) for n, t in frozen_parameters(model, opt)]
         state_doc = training_state.capture(extra, rng)  # now: a sampler moves on after the call
         plan = _plan(opt, rank, chunk_bytes, buffers, frozen)
