@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 from ..units import format_bytes
 from ..errors import InputError
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as cli.main returns for Ctrl-C
 
 PRESET_NAMES = ("medium", "moe", "small", "tiny")  # offload_engine.demo.model.PRESETS
 
@@ -84,13 +87,22 @@ def _du(path: str) -> int:
 
 
 def run(args) -> int:
+    if args.world_size < 1 or args.steps < 4:
+        raise InputError("--world-size must be >= 1 and --steps >= 4")
+    base = args.store or tempfile.mkdtemp(prefix="offload-engine-demo-", dir=os.getcwd())
+    try:
+        return _run(args, base)
+    except KeyboardInterrupt:  # the training processes are stopped and the folder cleaned
+        print("offload-engine demo: interrupted (Ctrl-C)"
+              + (f"; kept {base}" if args.keep or args.store else ""), file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args, base: str) -> int:
     from ..demo.model import build_model, count_parameters
     from ..demo.train import TrainConfig, launch
     from .main import main as cli_main
 
-    if args.world_size < 1 or args.steps < 4:
-        raise InputError("--world-size must be >= 1 and --steps >= 4")
-    base = args.store or tempfile.mkdtemp(prefix="offload-engine-demo-", dir=os.getcwd())
     os.makedirs(base, exist_ok=True)
     t_start = time.perf_counter()
     ckpt = os.path.join(base, "checkpoints")
@@ -145,7 +157,7 @@ def run(args) -> int:
 
         out = os.path.join(base, "consolidated")
         print(f"[4/6] consolidate the checkpoint to Hugging Face safetensors: {out}")
-        rc = cli_main(["consolidate", ckpt, out, "--verify"])
+        rc = _interruptible(cli_main(["consolidate", ckpt, out, "--verify"]))
         print()
         print("[5/6] inspect the checkpoint")
         rc_inspect = _optional(cli_main, ["inspect", ckpt])
@@ -188,9 +200,16 @@ def _optional(cli_main, argv):
         print(f"  (`offload-engine {argv[0]}` is not built yet)")
         return None
     try:
-        return cli_main(argv)
+        return _interruptible(cli_main(argv))
     except SystemExit as e:  # argparse
         return int(e.code or 0)
+
+
+def _interruptible(rc: int) -> int:
+    """A subcommand's exit code; Ctrl-C during it (which it reports as 130) stops the demo."""
+    if rc == EXIT_INTERRUPTED:
+        raise KeyboardInterrupt
+    return rc
 
 
 def _plan_of_the_run(args, base: str) -> list[str]:

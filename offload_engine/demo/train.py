@@ -161,8 +161,7 @@ def launch(cfg: TrainConfig, on_step=None, timeout_s: float = 900) -> dict:
         rendezvous = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, args=(r, cfg, rendezvous, out), daemon=True)
                  for r in range(cfg.world_size)]
-        for p in procs:
-            p.start()
+        _start_deaf_to_ctrl_c(procs)
         deadline = time.monotonic() + timeout_s
         try:
             while not done:
@@ -188,9 +187,27 @@ def launch(cfg: TrainConfig, on_step=None, timeout_s: float = 900) -> dict:
                         os.kill(p.pid, signal.SIGKILL)  # a real crash: no cleanup runs
                     killed = True
                     break
+        except BaseException:  # Ctrl-C, a failure or a timeout: nothing left to wait for
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise
         finally:
             for p in procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
     return {"records": records, "killed": killed, "config": asdict(cfg)}
+
+
+def _start_deaf_to_ctrl_c(procs) -> None:
+    """Start ``procs`` ignoring SIGINT. A terminal's Ctrl-C goes to the whole process group:
+    each child would print its own KeyboardInterrupt traceback from wherever it was
+    (about 60 lines for two ranks). A spawned interpreter keeps an ignored SIGINT ignored,
+    so the children leave Ctrl-C to the parent, which stops them (``launch``)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
