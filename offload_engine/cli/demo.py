@@ -100,6 +100,7 @@ def run(args) -> int:
 
 def _run(args, base: str) -> int:
     from ..demo.model import build_model, count_parameters
+    from ..demo.pool import demo_pool
     from ..demo.train import TrainConfig, launch
     from .main import main as cli_main
 
@@ -111,13 +112,19 @@ def _run(args, base: str) -> int:
     model = build_model(args.model)
     muon, n_muon, adamw, n_adamw, n_experts = _split(model)
     state_bytes = 4 * muon + 8 * adamw
+    pool = demo_pool(args.model, args.world_size)
+    per_rank = state_bytes // args.world_size
     experts = f", {n_experts} of them experts" if n_experts else ""
     print(f"offload-engine demo: FSDP2 + ZeroMuon, {args.world_size} processes "
           f"({'nccl' if _cuda() else 'gloo, CPU'}), model {args.model!r}: "
           f"{count_parameters(model) / 1e6:.1f} M parameters ({muon / 1e6:.1f} M in {n_muon} "
           f"matrices on Muon{experts}, {adamw / 1e6:.2f} M in {n_adamw} tensors on AdamW).")
+    moves = (f"streamed through a {format_bytes(pool.cpu_budget)} pinned pool per rank "
+             f"(buckets of {format_bytes(pool.bucket_bytes)})" if pool.cpu_budget < per_rank else
+             f"held whole in a {format_bytes(pool.cpu_budget)} pinned pool per rank (the "
+             f"{format_bytes(per_rank)} of a rank fit: NVMe is only written at the end)")
     print(f"Optimizer state: {format_bytes(state_bytes)} (momentum + Adam moments), home tier "
-          f"NVMe under {base}, streamed through a 16 MiB pinned pool per rank.\n")
+          f"NVMe under {base}, {moves}.\n")
     common = dict(model=args.model, world_size=args.world_size, steps=args.steps,
                   checkpoint_dir=ckpt)
     try:
@@ -215,11 +222,12 @@ def _interruptible(rc: int) -> int:
 def _plan_of_the_run(args, base: str) -> list[str]:
     """plan's options for what the demo ran (demo/train.py): fp32 parameters on this
     machine's CPU or GPUs, state homed on NVMe under ``base`` through the run's pool."""
-    from ..demo.train import TrainConfig
-    run = TrainConfig(store_dir=base)
+    from ..demo.pool import demo_pool
+    pool = demo_pool(args.model, args.world_size)
     return ["--world-size", str(args.world_size), "--gpus-per-node", str(args.world_size),
             "--param-dtype", "fp32", "--device", "cuda" if _cuda() else "cpu",
-            "--home", "nvme", "--cpu-budget", run.cpu_budget, "--bucket-bytes", run.bucket_bytes,
+            "--home", "nvme", "--cpu-budget", str(pool.cpu_budget),
+            "--bucket-bytes", str(pool.bucket_bytes),
             "--prefetch-depth", "2", "--nvme", base]
 
 

@@ -41,8 +41,8 @@ class TrainConfig:
     muon_lr: float = 0.02
     adamw_lr: float = 3e-3
     seed: int = 0
-    cpu_budget: str = "16MiB"    # pinned pool per rank: smaller than the state, so it streams
-    bucket_bytes: str = "2MiB"
+    cpu_budget: int | None = None    # bytes of pinned pool per rank; None: below the state,
+    bucket_bytes: int | None = None  # so it streams (demo/pool.py); bytes per bucket
     clip_norm: float = 1.0
     dropout: float = 0.1         # draws from each rank's torch RNG: a resume must restore it
     warmup_steps: int = 5        # LR schedule: linear warm-up, then cosine decay to 10%
@@ -77,6 +77,7 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
     from ..optim import ZeroMuon
     from .data import MarkovText, ShuffledBatches
     from .model import PRESETS, build_model
+    from .pool import demo_pool
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -92,8 +93,10 @@ def _worker(rank: int, cfg: TrainConfig, rendezvous: str, out) -> None:
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        pool = demo_pool(cfg.model, cfg.world_size)
         store = {"nvme_paths": [os.path.join(cfg.store_dir, "state")],
-                 "cpu_budget": cfg.cpu_budget, "bucket_bytes": cfg.bucket_bytes,
+                 "cpu_budget": cfg.cpu_budget or pool.cpu_budget,
+                 "bucket_bytes": cfg.bucket_bytes or pool.bucket_bytes,
                  "io_threads": 4, "queue_depth": 4, "block_size": "2MiB", "prefetch_depth": 2}
         if cuda:
             store["gpu_budget"] = "256MiB"  # staging for buckets acquired on the GPU
