@@ -28,7 +28,7 @@ from ..formats.source import ReadRequest
 from ..layout.box_runs import box_runs
 from ..optim.boxes import Box
 from ..optim.state_access import (held_box, local_param, mark_restored, param_state_arrays,
-                                  write_param_state)
+                                  set_steps_taken, write_param_state)
 from .buffers import persistent_buffers
 from .model_load import fill, load_model_tensors, read_into as _read_into
 from .model_tensors import reshard_fsdp
@@ -92,6 +92,7 @@ def _restore(src: OursSource, model, opt, rank: int, extra, rng: bool, strict: b
     buffers = _buffers_to_restore(src, model, strict or opt is not None)
     if opt is not None:
         _load_optimizer(src, opt, params=model is not None)
+        set_steps_taken(opt, src.manifest.step)
     if model is not None:
         held = {id(i.param) for i in opt.infos} if opt is not None else set()
         load_model_tensors(src, model, skip=held, strict=strict and opt is None)

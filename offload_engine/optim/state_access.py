@@ -84,6 +84,13 @@ def mark_restored(opt, info: ParamInfo, step: float | None) -> None:
     opt.optimizer_state.mark_initialized([info.index])
 
 
+def set_steps_taken(opt, step: int) -> None:
+    """After a checkpoint load: ``opt`` has taken ``step`` steps (the checkpoint's), so its
+    next is ``step + 1`` and the step its store's manifest records at ``close`` (what
+    ``inspect`` of the store shows) counts the steps before the resume too."""
+    opt._steps_done = int(step)
+
+
 def has_state(opt, info: ParamInfo) -> bool:
     """Whether ``info`` has state (it took a step or had state loaded)."""
     return opt.optimizer_state.initialized(info)
