@@ -17,9 +17,10 @@ from ..units import MiB
 # Records (zip entries) in one file. ``zipfile`` builds an object of about 900 bytes per
 # entry of the central directory before we see any: 2 million entries cost 1.9 GB of RSS
 # and 78 s. A rank file holds data.pkl, a few small records and one record per tensor
-# storage (ZeRO-1/2 model states: one per parameter; a 70B Llama has 723). 65,536 is also
-# the most a zip without zip64 extensions can count.
-MAX_RECORDS = 65_536
+# storage (model states: one per parameter; a 70B Llama has 723, a ZeRO-3 MoE model with
+# 100,000 per-expert weights 100,006, which torch.save writes with zip64 end records).
+# MAX_CENTRAL_DIRECTORY below bounds what a forged directory can make zipfile build.
+MAX_RECORDS = 262_144
 
 # Bytes of the central directory (the zip's list of entries; 46 bytes + the name per entry).
 # Checked before ``zipfile`` parses it: this, not the entry count the zip declares (which a
