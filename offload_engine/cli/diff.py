@@ -1,6 +1,7 @@
 """``offload-engine diff A B``: names, shapes and dtypes added, removed or changed, then the
 values of every tensor both hold, within tolerance. A and B may be of different kinds
-(a checkpoint against its consolidated safetensors, a DeepSpeed checkpoint against ours).
+(a checkpoint against its consolidated safetensors, a DeepSpeed checkpoint against ours, a
+live store against a checkpoint of its run: the optimizer states both hold).
 
 Exit codes: 0 equal within tolerance; 1 different; 2 bad input (one line on stderr).
 """
@@ -12,6 +13,7 @@ import json
 import sys
 
 from ..formats import KIND_LABELS
+from ..formats.detect import store_root_ranks
 from ..offline.diff import diff_sources
 from .inspect import _num, _table, add_expert_argument, open_input
 from .printable import printable
@@ -66,12 +68,20 @@ def _mode(states):
     return states
 
 
+def _rank_folder(path: str) -> str:
+    """``path``, or the store folder of its only rank when it is the root of a one-rank
+    store (the ``nvme_paths`` directory a single process was given). The root of a store of
+    several ranks stays as it is: opening it says to pass one rank's folder."""
+    ranks = store_root_ranks(path)
+    return ranks[0][1] if len(ranks) == 1 else path
+
+
 def run(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
         raise InputError("--rtol and --atol must be >= 0")
     mode = _mode(args.state)
-    with open_input(args.a, args.generation_a, args.expert) as a, \
-            open_input(args.b, args.generation_b, args.expert) as b:
+    with open_input(_rank_folder(args.a), args.generation_a, args.expert) as a, \
+            open_input(_rank_folder(args.b), args.generation_b, args.expert) as b:
         progress = ProgressLine(label="diff") if wanted(args) else None
         report = diff_sources(a, b, rtol=args.rtol, atol=args.atol, mode=mode, names=args.name,
                               ignore_dtype=args.ignore_dtype, progress=progress,

@@ -5,7 +5,9 @@ Which values are compared (``mode``):
 - ``"weights"`` (default): each tensor's value: its master weights where it has them
   (DeepSpeed's ``master``, which ``consolidate`` writes; ZeroMuon's ``master_param``), else
   ``param`` (safetensors, frozen parameters, buffers). A tensor with neither (a live
-  store's optimizer state) is compared state by state, as in ``"all"``.
+  store's optimizer state) is compared state by state, as in ``"all"``; against a side
+  that holds weights (a store against a checkpoint of the run) only the optimizer states
+  count, since a store never holds the weights.
 - ``"all"``: every state both sides hold under the same name; states only one side holds
   are listed and count as a difference.
 - a list of state names: those states only.
@@ -20,10 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..formats.source import TensorSource, TensorMeta
+from ..formats.source import WEIGHT_STATES, TensorSource, TensorMeta
 from ..io import BufferPool
 from ..units import MiB
 from .select import name_matches
+
+# what a live store holds instead of weights (ZeroMuon's Muon momentum, AdamW's moments)
+OPTIMIZER_STATES = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -55,14 +60,21 @@ def _resolve(names: dict[str, TensorMeta], aliases: dict[str, str], name: str):
 def _pairs(ta: TensorMeta, tb: TensorMeta, mode, report: DiffReport, label: str):
     """The (state in A, state in B) pairs to compare for one tensor name."""
     common = [s for s in ta.states if s in tb.states]
+    states_a, states_b = list(ta.states), list(tb.states)
     if mode == "weights":
-        wa, wb = ta.weight_state(), tb.weight_state()
+        wa, wb = _weights(ta), _weights(tb)
         if wa is not None and wb is not None:
             return [(wa, wb)]
+        if (wa is None) != (wb is None):
+            # one side is optimizer state alone (a live store): it is compared with the
+            # same states of the other, whose weights it never holds
+            states_a = [s for s in states_a if s not in WEIGHT_STATES]
+            states_b = [s for s in states_b if s not in WEIGHT_STATES]
+            common = [s for s in common if s not in WEIGHT_STATES]
         mode = "all"
     if mode == "all":
-        only_a = [s for s in ta.states if s not in tb.states]
-        only_b = [s for s in tb.states if s not in ta.states]
+        only_a = [s for s in states_a if s not in states_b]
+        only_b = [s for s in states_b if s not in states_a]
         if only_a or only_b:
             report.changed.append({"name": label, "what": "states", "a": sorted(ta.states),
                                    "b": sorted(tb.states)})
@@ -75,6 +87,14 @@ def _pairs(ta: TensorMeta, tb: TensorMeta, mode, report: DiffReport, label: str)
             report.changed.append({"name": label, "what": "states", "state": s,
                                    "a": s in ta.states, "b": s in tb.states})
     return pairs
+
+
+def _weights(t: TensorMeta) -> str | None:
+    """The state holding ``t``'s weights (master, else param), or None: optimizer state
+    alone, as a live store keeps it (its only state is then momentum or a moment, which
+    ``weight_state``'s only-state rule would take for weights)."""
+    w = t.weight_state()
+    return None if w in OPTIMIZER_STATES else w
 
 
 def diff_sources(a: TensorSource, b: TensorSource, rtol: float = 0.0, atol: float = 0.0,
