@@ -4,7 +4,10 @@
 Run with an interpreter that has deepspeed 0.19.8 (never this project's venv: deepspeed is
 not a dependency); it starts its own ranks with ``torch.distributed.run``:
 
-    DS_ACCELERATOR=cpu /work/dsvenv/bin/python tools/make_deepspeed_moe_fixtures.py [RUN ...]
+    DS_ACCELERATOR=cpu /work/dsvenv/bin/python tools/make_deepspeed_moe_fixtures.py [--out DIR] [RUN ...]
+
+``--out DIR`` writes the runs under DIR instead of the fixtures folder (the suite's smoke
+test does, to check the tool still makes what the reader reads).
 
 Each run builds ``TinyMoE`` (two ``deepspeed.moe.layer.MoE`` layers of 4 experts, top-2
 and top-1 gates), splits its parameters into dense and expert param groups with
@@ -293,8 +296,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make(name: str) -> None:
-    out = os.path.join(FIXTURES, name)
+def make(name: str, root: str = FIXTURES) -> None:
+    out = os.path.join(root, name)
     shutil.rmtree(out, ignore_errors=True)
     world = RUNS[name][2] if name in RUNS else AUTOEP_RUNS[name][1]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -311,5 +314,12 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         (rank_main if sys.argv[2] in RUNS else autoep_rank_main)(sys.argv[2], sys.argv[3])
     else:
-        for run in sys.argv[1:] or list(RUNS) + list(AUTOEP_RUNS):
-            make(run)
+        args, root = sys.argv[1:], FIXTURES
+        if args[:1] == ["--out"]:
+            root, args = os.path.abspath(args[1]), args[2:]
+        unknown = [r for r in args if r not in RUNS and r not in AUTOEP_RUNS]
+        if unknown:
+            sys.exit(f"make_deepspeed_moe_fixtures.py: unknown run(s) {unknown}; runs: "
+                     f"{', '.join(list(RUNS) + list(AUTOEP_RUNS))}")
+        for run in args or list(RUNS) + list(AUTOEP_RUNS):
+            make(run, root)
