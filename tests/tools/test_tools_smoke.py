@@ -273,6 +273,18 @@ def smoke_make_ds_checkpoint(tmp_path):
         assert sum(t.numel for t in src.tensors() if t.kind == "param") == info["params"]
 
 
+def smoke_make_deepspeed_checkpoint(tmp_path):
+    """A tiny generated ZeRO-3 checkpoint (W=2): our reader takes it, every parameter there."""
+    from offload_engine.formats.deepspeed import DeepSpeedSource
+
+    out = run_json(["make_deepspeed_checkpoint.py", "--out", str(tmp_path / "ck"), "--smoke"],
+                   tmp_path)
+    assert (out["world_size"], out["tensors"]) == (2, 21) and positive(out["bytes_written"])
+    with DeepSpeedSource(out["out"]) as src:
+        assert (src.world_size, src.stage) == (2, 3)
+        assert sum(t.numel for t in src.tensors() if t.kind == "param") == out["params"]
+
+
 # -- the cases: "<tool file>" or "<tool file>[variant]" -> (check, marks) ---------------------
 CASES = {
     "bench_checkpoint.py": (smoke_bench_checkpoint, [needs_fio]),
@@ -290,6 +302,7 @@ CASES = {
     "gpu_check.py": (smoke_gpu_check_py, []),
     "gpu_check.sh": (smoke_gpu_check_sh, []),
     "make_ds_checkpoint.py[deepspeed]": (smoke_make_ds_checkpoint, deepspeed_case),
+    "make_deepspeed_checkpoint.py": (smoke_make_deepspeed_checkpoint, []),
 }
 
 
