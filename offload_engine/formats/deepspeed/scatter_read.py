@@ -40,7 +40,7 @@ class Want:
     dest: memoryview
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Segment:
     """Elements ``[start, start + count)`` of a tensor lie at byte ``offset`` of file ``file``."""
 
