@@ -1,8 +1,8 @@
 """One figure of per-layer L2 norms of the parameters and of every optimizer state.
 
 matplotlib is an optional extra (``pip install 'offload-engine[plot]'``); without it,
-``--plot`` is refused with a one-line error. Layers are ordered as their tensors first
-appear; the y axis is logarithmic.
+``--plot`` is refused with a one-line error. Layers are in the model's order
+(``model_order``); the y axis is logarithmic.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def layer_norms(stats: dict, order: list[str]) -> tuple[list[str], dict[str, lis
     """(layers in order, {state: [L2 norm per layer, NaN where absent]}) of the keys in
     ``stats``; layers follow ``order`` (tensor names) and hold at least one key."""
     names = {name for name, _ in stats}
-    order = [n for n in order if n in names]
+    order = model_order([n for n in order if n in names])
     layers: list[str] = []
     seen = set()
     for name in order:
@@ -33,6 +33,40 @@ def layer_norms(stats: dict, order: list[str]) -> tuple[list[str], dict[str, lis
         row[i] = (0.0 if math.isnan(row[i]) else row[i]) + s["sumsq"]
     return layers, {state: [math.sqrt(v) if not math.isnan(v) else math.nan for v in row]
                     for state, row in sums.items()}
+
+
+def model_order(names: list[str]) -> list[str]:
+    """``names`` (as a manifest lists them) in the model's order, where that is seen.
+
+    A ZeroMuon checkpoint lists its tensors by optimizer group: the Muon matrices, then the
+    AdamW tensors (embedding, norms, head), each group in model order. Without this the
+    embedding was plotted after the last layer. Where one numbered stack (``layers.N``)
+    runs through both groups, the groups are merged on its numbers: a name before a
+    group's first numbered one (an embedding) goes before that number, one after a group's
+    last (a final norm, the head) after it. Names with several numbered stacks, or none,
+    keep their order."""
+    numbers = [_layer_number(n) for n in names]
+    if len({p for p, _ in filter(None, numbers)}) != 1:
+        return list(names)
+    keys = []
+    for i, num in enumerate(numbers):
+        if num is not None:
+            keys.append(num[1])
+            continue
+        before = next((numbers[j][1] for j in range(i - 1, -1, -1) if numbers[j]), None)
+        after = next((numbers[j][1] for j in range(i + 1, len(names)) if numbers[j]), None)
+        if after is not None and (before is None or after < before):
+            keys.append(after - 0.5)   # opens a group: before its first numbered layer
+        else:
+            keys.append(before + 0.5)  # closes a group: after its last
+    return [n for _, _, n in sorted(zip(keys, range(len(names)), names))]
+
+
+def _layer_number(name: str) -> tuple[str, int] | None:
+    """(stack, number) of a name in a numbered stack (``layers.3.w`` -> ("layers", 3))."""
+    layer = layer_of(name)
+    stack, _, number = layer.rpartition(".")
+    return (stack, int(number)) if number.isdigit() else None
 
 
 def plot_layer_norms(stats: dict, order: list[str], out_path: str, title: str,
