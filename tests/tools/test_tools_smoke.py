@@ -285,6 +285,27 @@ def smoke_make_deepspeed_checkpoint(tmp_path):
         assert sum(t.numel for t in src.tensors() if t.kind == "param") == out["params"]
 
 
+def smoke_make_deepspeed_moe_fixtures(tmp_path):
+    """One native-MoE run (ZeRO-1, expert-parallel size 1, 2 ranks) made again into a scratch
+    folder: our reader consolidates it to the fp32 masters DeepSpeed recorded beside it."""
+    from safetensors.torch import load_file
+
+    from offload_engine.consolidate import get_fp32_state_dict
+
+    run(["make_deepspeed_moe_fixtures.py", "--out", str(tmp_path), "zero1_ep1_w2_fp32"], tmp_path,
+        python=deepspeed_python(), timeout=DEEPSPEED_TIMEOUT_S)
+    made = tmp_path / "zero1_ep1_w2_fp32"
+    expected = load_file(str(made / "expected.safetensors"))
+    masters = {k.split("/", 1)[1]: v for k, v in expected.items() if k.startswith("master/")}
+    state = get_fp32_state_dict(str(made))
+    assert masters and all(state[k].equal(v) for k, v in masters.items())
+
+
+def smoke_regen_cli_help(tmp_path):
+    """--check: every usage block in docs/cli.md is what the command prints (exit 0)."""
+    run(["regen_cli_help.py", "--check"], Path(ROOT))
+
+
 # -- the cases: "<tool file>" or "<tool file>[variant]" -> (check, marks) ---------------------
 CASES = {
     "bench_checkpoint.py": (smoke_bench_checkpoint, [needs_fio]),
@@ -303,6 +324,9 @@ CASES = {
     "gpu_check.sh": (smoke_gpu_check_sh, []),
     "make_ds_checkpoint.py[deepspeed]": (smoke_make_ds_checkpoint, deepspeed_case),
     "make_deepspeed_checkpoint.py": (smoke_make_deepspeed_checkpoint, []),
+    "make_deepspeed_moe_fixtures.py[deepspeed]": (smoke_make_deepspeed_moe_fixtures,
+                                                  deepspeed_case),
+    "regen_cli_help.py": (smoke_regen_cli_help, []),
 }
 
 
