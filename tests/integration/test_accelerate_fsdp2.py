@@ -1,14 +1,13 @@
 """The Hugging Face Trainer with TrainerZeroMuon under ``accelerate launch`` with an FSDP2
 config (fsdp_version 2), 2 CPU processes.
 
-accelerate 1.16 does not shard on CPU: ``accelerate launch`` picks its FSDP launcher only
-``if args.use_fsdp and not args.cpu`` (accelerate/commands/launch.py), and
-``AcceleratorState`` sets ``DistributedType.FSDP`` only when the process group is one of the
-accelerator types (MULTI_GPU, MULTI_NPU, ...), never MULTI_CPU (accelerate/state.py). So
-the FSDP2 config runs as data parallel over gloo (MULTI_CPU), whole parameters on each
-rank. The first test pins that, so a future accelerate that does shard on CPU makes it fail
-and this file gets the FSDP2 assertions; the second tests what runs: trains, saves,
-resumes bit for bit, and the saved model loads with ``from_pretrained``.
+accelerate 1.16 does not shard on CPU: ``AcceleratorState`` sets ``DistributedType.FSDP``
+only when the process group is one of the accelerator kinds (MULTI_GPU, MULTI_NPU, ...),
+and a CPU run is MULTI_CPU (accelerate/state.py). So the FSDP2 config runs as data
+parallel over gloo, whole parameters on each rank. The first test pins that, so a future
+accelerate that does shard on CPU makes it fail and this file gets the FSDP2 assertions;
+the second tests what runs: trains, saves, resumes bit for bit, and the saved model loads
+with ``from_pretrained``; the third applies FSDP2 by hand inside the Trainer.
 """
 
 import os
@@ -23,7 +22,7 @@ from helpers.paths import child_env, script
 pytest.importorskip("accelerate", reason="accelerate launch is the client under test")
 transformers = pytest.importorskip("transformers")
 
-from helpers.accelerate_trainer_run import probe_batch  # noqa: E402 (after the skips)
+from helpers.accelerate_trainer_run import probe_batch, tiny_config  # noqa: E402 (after the skips)
 
 RUN = script("accelerate_trainer_run.py")
 WORLD = 2
@@ -94,3 +93,23 @@ def test_trains_saves_resumes_bit_for_bit_and_loads_with_from_pretrained(runs):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp / "whole" / "checkpoint-6").eval()
     with torch.no_grad():
         assert torch.equal(loaded(probe_batch()).logits, whole[0]["logits"])
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_by_hand_inside_the_trainer_trains_with_zero_muon(tmp_path):
+    """What a CPU user can do instead: fully_shard by hand, then the Trainer (no resume:
+    the Trainer refuses to save optimizer state for a model sharded before it)."""
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(FSDP2_CONFIG.format(world=WORLD, port=29800 + os.getpid() % 100))
+    launch(config, [tmp_path, 4, "--fsdp2-by-hand"])
+    ranks = results(tmp_path)
+    for r in ranks:
+        assert r["dtensor"] and r["optimizer"] == "ZeroMuon" and len(r["losses"]) == 4
+        assert all(torch.isfinite(torch.tensor(loss)) for _, loss in r["losses"])
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # one global loss, logged on both ranks
+    for name, p in ranks[0]["params"].items():  # the gathered parameters agree
+        assert torch.equal(p, ranks[1]["params"][name]), name
+    torch.manual_seed(0)  # the runner's initial weights
+    start = transformers.GPT2LMHeadModel(tiny_config())
+    moved = [n for n, p in start.named_parameters() if not torch.equal(p, ranks[0]["params"][n])]
+    assert len(moved) == len(ranks[0]["params"])  # every parameter was stepped
