@@ -305,7 +305,8 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
     ns_numel = [0] * world
     ns_dim = [0] * world
     ns_work = [0] * world        # Newton-Schulz FLOPs per step
-    calls = [0] * world          # all_to_all calls per step (a bundle of kept experts has none)
+    calls = 0                    # all_to_all calls per step, the same on every rank (collective;
+    #                              a bundle of kept experts only makes none)
     for ms, os_ in zip(mats, owners):
         per_bundle: dict[int, int] = {}
         for m, o in zip(ms, os_):
@@ -322,7 +323,7 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
         for o, n in per_bundle.items():
             recv_max[o] = max(recv_max[o], n)
         if per_bundle:
-            calls = [n + 2 for n in calls]
+            calls += 2           # U out, O back
     local_muon = [i.matrix_shape for c in probe.bundles if c.kind == "muon"
                   and not (c.distributed and world > 1) for i in (infos[p] for p in c.params)
                   for _ in range(i.matrices)]
@@ -338,7 +339,7 @@ def rank_states(model: ModelShapes, opts: PlanOptions, kinds: list[str] | None =
             # U to the owners and O back, bf16, a rank's own block excluded
             moved = (g["dist_local"] - own_local[r]) + (own_numel[r] - own_local[r])
             st.a2a_sent = st.a2a_received = BF16 * moved
-            st.a2a_calls = calls[r]
+            st.a2a_calls = calls
             st.ns_max_numel, st.ns_max_min_dim = ns_numel[r], ns_dim[r]
             st.ns_flops = ns_work[r]
         if local_muon:
