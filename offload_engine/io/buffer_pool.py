@@ -173,11 +173,19 @@ class BufferPool:
             self.pinned = False
 
     # -- allocation ---------------------------------------------------------------------
-    def try_acquire(self, nbytes: int) -> PooledBuffer | None:
-        """A buffer of ``nbytes`` if it fits now, else None. Never waits."""
-        need = self._need(nbytes)
+    def try_acquire(self, nbytes: int, *, reserve: int = 0,
+                    top: bool = False) -> PooledBuffer | None:
+        """A buffer of ``nbytes`` if it fits now, else None. Never waits.
+
+        ``reserve``: hold at least this many bytes for it (a streamed bucket takes a whole
+        bucket's slot, however short, so that equal slots never fragment the pool);
+        ``top``: carve it from the top of the arena (memory kept for the pool's life).
+        See io/extents.py.
+        """
+        self._need(nbytes)  # refuses a negative or oversized request as it is
+        need = self._need(max(nbytes, reserve))
         with self._cond:
-            return self._take(nbytes, need)
+            return self._take(nbytes, need, top)
 
     def acquire(self, nbytes: int, timeout: float | None = 30.0) -> PooledBuffer:
         """A buffer of ``nbytes`` bytes, waiting up to ``timeout`` seconds for space.
@@ -214,8 +222,8 @@ class BufferPool:
             raise UsageError("buffer pool is closed")
         return need
 
-    def _take(self, nbytes: int, need: int) -> PooledBuffer | None:
-        offset = self._extents.take(need)
+    def _take(self, nbytes: int, need: int, top: bool = False) -> PooledBuffer | None:
+        offset = self._extents.take(need, top)
         return None if offset is None else PooledBuffer(self, offset, nbytes, need)
 
     def release(self, buf: PooledBuffer) -> None:

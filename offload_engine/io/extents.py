@@ -2,6 +2,14 @@
 
 Shared by the pinned host pool and the GPU arena: the arena is allocated once, and every
 request is an (offset, size) inside it. Not thread-safe: callers hold their own lock.
+
+Two ends, so that a budget sized as "k buckets streamed plus these bytes kept" is always
+enough: short-lived, equal-size requests (streamed buckets, each given a whole bucket's
+slot) are served first-fit from the bottom, where equal sizes cannot fragment; requests
+kept for the arena's life (cpu-homed state, in odd sizes) are served from the top
+(``take(..., top=True)``), out of the slots' way. Mixed first-fit of odd sizes could leave
+the free bytes of a bucket in pieces no bucket fits (a store waited forever with half its
+pool free).
 """
 
 from __future__ import annotations
@@ -20,21 +28,28 @@ class Extents:
         self.peak_in_use = 0
         self.live = 0
 
-    def take(self, size: int) -> int | None:
-        """Offset of a free extent of ``size`` bytes, or None when none is large enough."""
-        for i, free in enumerate(self._sizes):
-            if free >= size:
-                offset = self._offsets[i]
-                if free == size:
-                    del self._offsets[i]
-                    del self._sizes[i]
-                else:
-                    self._offsets[i] = offset + size
-                    self._sizes[i] = free - size
-                self.in_use += size
-                self.live += 1
-                self.peak_in_use = max(self.peak_in_use, self.in_use)
-                return offset
+    def take(self, size: int, top: bool = False) -> int | None:
+        """Offset of a free extent of ``size`` bytes, or None when none is large enough:
+        the lowest that fits, or with ``top`` the end of the highest that fits."""
+        order = range(len(self._sizes) - 1, -1, -1) if top else range(len(self._sizes))
+        for i in order:
+            free = self._sizes[i]
+            if free < size:
+                continue
+            start = self._offsets[i]
+            offset = start + free - size if top else start
+            if free == size:
+                del self._offsets[i]
+                del self._sizes[i]
+            elif top:
+                self._sizes[i] = free - size
+            else:
+                self._offsets[i] = start + size
+                self._sizes[i] = free - size
+            self.in_use += size
+            self.live += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return offset
         return None
 
     def give(self, offset: int, size: int) -> None:

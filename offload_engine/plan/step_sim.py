@@ -54,9 +54,11 @@ class _Bucket:
     __slots__ = ("key", "nbytes", "need", "home", "offset", "refs", "dirty", "on_disk",
                  "last_use")
 
-    def __init__(self, key, nbytes: int, home: str):
+    def __init__(self, key, nbytes: int, home: str, slot: int):
         self.key, self.nbytes, self.home = key, nbytes, home
-        self.need = pool_bytes(nbytes)   # what the pinned pool carves out for it
+        # what the pinned pool carves out for it: a streamed bucket a whole slot
+        # (TieredStore._take_buffer), a cpu-homed one its own size, from the top
+        self.need = max(pool_bytes(nbytes), slot) if home == "nvme" else pool_bytes(nbytes)
         self.offset = None               # extent in the model pool while resident
         self.refs = 0
         self.dirty = self.on_disk = False
@@ -92,7 +94,7 @@ class _Replay:
         """Bring ``b`` into the pool, evicting the policy's victims; False when a prefetch
         may not evict anything (a demand fill that cannot is a pool too small)."""
         while True:
-            off = self.pool.take(b.need)
+            off = self.pool.take(b.need, top=b.home != "nvme")
             if off is not None:
                 b.offset = off
                 if b.home == "nvme" and b.on_disk:
@@ -144,7 +146,8 @@ def simulate(layout, arrays: dict, homes: dict[str, str], cpu_budget: int, prefe
     ``cpu_budget``: bytes of the pinned pool."""
     forward, backward = layout.step_order(False), layout.step_order(True)
     sizes = {name: bucket_sizes(a.numel, a.itemsize, a.bucket_bytes) for name, a in arrays.items()}
-    buckets = {key: _Bucket(key, sizes[key[0]][key[1]], homes.get(key[0], "nvme"))
+    slot = min(pool_bytes(layout.bucket_bytes), round_up(cpu_budget))
+    buckets = {key: _Bucket(key, sizes[key[0]][key[1]], homes.get(key[0], "nvme"), slot)
                for key in forward}
     policy = ResidencyPolicy(prefetch_depth, alternate)
     sim = _Replay(policy, buckets, Extents(round_up(cpu_budget)), cpu_budget)

@@ -106,8 +106,12 @@ class GpuStaging:
     thread's waits and ``bytes_now`` (the snapshot thread) run, and they touch only events.
     """
 
-    def __init__(self, budget_bytes: int, device, counters, copy_waiter):
+    def __init__(self, budget_bytes: int, device, counters, copy_waiter,
+                 slot_bytes: int = 0):
         self.device = device
+        # a staged bucket, however short, takes a whole bucket's slot; gpu-homed buckets
+        # (kept) come from the top: equal slots never leave a bucket's room in pieces
+        self.slot_bytes = round_up(slot_bytes) if slot_bytes else 0
         self._copy_waiter = copy_waiter
         self.capacity = round_up(budget_bytes)
         self.arena = device.empty(self.capacity)
@@ -117,12 +121,19 @@ class GpuStaging:
         self._counters = counters
 
     # -- the arena -------------------------------------------------------------------------
-    def alloc(self, nbytes: int) -> int | None:
-        """Offset of ``nbytes`` (rounded to 4096) of free device memory, or None."""
-        return self.extents.take(round_up(max(nbytes, 1)))
+    def _extent(self, nbytes: int, kept: bool) -> int:
+        """Arena bytes a bucket of ``nbytes`` takes: its own size rounded to 4096 when
+        ``kept`` (gpu-homed), else at least a slot (as long as the arena holds one)."""
+        size = round_up(max(nbytes, 1))
+        return size if kept else max(size, min(self.slot_bytes, self.capacity))
 
-    def free(self, offset: int, nbytes: int) -> None:
-        self.extents.give(offset, round_up(max(nbytes, 1)))
+    def alloc(self, nbytes: int, kept: bool = False) -> int | None:
+        """Offset of a free extent for ``nbytes`` of device memory (``_extent``), or None;
+        ``kept`` ones from the top of the arena."""
+        return self.extents.take(self._extent(nbytes, kept), top=kept)
+
+    def free(self, offset: int, nbytes: int, kept: bool = False) -> None:
+        self.extents.give(offset, self._extent(nbytes, kept))
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         return self.arena[offset:offset + nbytes].view(dtype)
@@ -164,7 +175,7 @@ class GpuStaging:
         """Give gpu-home bucket ``b`` its extent, zeroed (its first and only fill). The
         extent may have been a staged bucket's whose copy-out is still on the side stream:
         the compute stream, which zeroes it and runs its users, waits for that first."""
-        off = self.alloc(b.nbytes)
+        off = self.alloc(b.nbytes, kept=True)
         if off is None:
             raise UsageError(f"gpu tier full: cannot hold {b.array.name} bucket {b.index}")
         b.gpu_offset = off

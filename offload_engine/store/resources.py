@@ -77,7 +77,8 @@ def open_resources(stack: contextlib.ExitStack, config: StoreConfig, root: str |
     if config.gpu_budget and (gpu_device is not None or torch.cuda.is_available()):
         from .gpu_staging import CudaDevice, GpuStaging
         copy_waiter = _own_thread(stack, owner, "oe-copy-wait")
-        gpu = GpuStaging(config.gpu_budget, gpu_device or CudaDevice(), counters, copy_waiter)
+        gpu = GpuStaging(config.gpu_budget, gpu_device or CudaDevice(), counters, copy_waiter,
+                         slot_bytes=config.bucket_bytes)
     return StoreResources(locks, pool, completions, io, settings, copy_waiter, gpu)
 
 
