@@ -103,7 +103,13 @@ def hold_for(ckpt_dir: str, owner) -> WriterLock:
             entry[0].release()
             entry = _held[key] = (_acquire(ckpt_dir), entry[1])
         if entry is None:
-            entry = _held[key] = (_acquire(ckpt_dir), set())
+            lock = _acquire(ckpt_dir)
+            try:  # a Ctrl-C/SIGTERM here must not leave the lock taken and unlisted
+                entry = _held[key] = (lock, set())
+            except BaseException:
+                if _held.get(key, (None,))[0] is not lock:
+                    lock.release()
+                raise
         lock, owners = entry
         if id(owner) not in owners:
             owners.add(id(owner))
@@ -154,30 +160,53 @@ def _acquire(ckpt_dir: str) -> WriterLock:
     for _ in range(8):  # the file replaced between open and lock: lock the new one
         fd = _open_lock_file(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = describe_holder(fd, path)
+            lock = _lock_open_file(ckpt_dir, path, fd)
+        except _NoLocks:
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise CheckpointLockedError(
-                    f"checkpoint folder {ckpt_dir} is already being written by {holder}; a "
-                    f"checkpoint folder has one writer at a time: stop that run (a job "
-                    f"restarted while its old copy still runs?) or save into another folder "
-                    f"(readers such as load_checkpoint, inspect and consolidate are not "
-                    f"affected)") from None
-            if e.errno in _NO_LOCKS:
-                log.warning("%s: the file system cannot lock files (%s): this run saves "
-                            "without a writer lock, and a second run writing into the same "
-                            "folder would not be refused", ckpt_dir, errno.errorcode.get(
-                                e.errno, e.errno))
-                return WriterLock(ckpt_dir, None)
-            raise FileIOError(e.errno, "lock", path) from e
-        if _same_file(fd, path):
-            _write_note(fd, path)
-            return WriterLock(ckpt_dir, fd)
-        os.close(fd)
+            return WriterLock(ckpt_dir, None)
+        except BaseException:
+            # refused, failed or interrupted (a signal's KeyboardInterrupt or SystemExit
+            # between the flock and the return): closing the descriptor drops the flock, so
+            # this process's next save is not refused by a lock it took and lost track of
+            os.close(fd)
+            raise
+        if lock is not None:
+            return lock
+        os.close(fd)  # the name now holds another file: lock that one
     raise CheckpointError(f"{path}: replaced again and again while being locked; is "
                           f"something removing it?")
+
+
+def _lock_open_file(ckpt_dir: str, path: str, fd: int) -> WriterLock | None:
+    """Lock ``fd`` (the lock file ``path``, just opened) without waiting: the WriterLock
+    owning ``fd``, or None when ``path`` was replaced meanwhile (the caller closes ``fd``
+    and tries the new file). Raises CheckpointLockedError naming the holder."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = describe_holder(fd, path)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise CheckpointLockedError(
+                f"checkpoint folder {ckpt_dir} is already being written by {holder}; a "
+                f"checkpoint folder has one writer at a time: stop that run (a job "
+                f"restarted while its old copy still runs?) or save into another folder "
+                f"(readers such as load_checkpoint, inspect and consolidate are not "
+                f"affected)") from None
+        if e.errno in _NO_LOCKS:
+            log.warning("%s: the file system cannot lock files (%s): this run saves "
+                        "without a writer lock, and a second run writing into the same "
+                        "folder would not be refused", ckpt_dir, errno.errorcode.get(
+                            e.errno, e.errno))
+            raise _NoLocks() from None
+        raise FileIOError(e.errno, "lock", path) from e
+    if not _same_file(fd, path):
+        return None
+    _write_note(fd, path)
+    return WriterLock(ckpt_dir, fd)
+
+
+class _NoLocks(Exception):
+    """The file system cannot lock files (``_NO_LOCKS``): save without a writer lock."""
 
 
 def _open_lock_file(path: str) -> int:

@@ -220,3 +220,35 @@ def test_a_staging_folder_replaced_by_another_writer_is_never_committed(tmp_path
     opt.close()
     assert os.path.basename(resolve(ck)) == "step-00000001"
     assert not os.path.exists(os.path.join(ck, "step-00000002"))
+
+
+@pytest.mark.parametrize("where", ["_write_note", "WriterLock"])
+def test_a_signal_while_the_lock_is_taken_leaves_the_next_save_of_this_process_free(
+        tmp_path, monkeypatch, where):
+    """SIGTERM's SystemExit (or Ctrl-C) landing after the flock but before the lock is
+    listed: the usual handler then saves once more, from this same process. That save must
+    not be refused by the lock the interrupted one took ("already being written by process
+    <this one>": a signal trial in CI ended so, with no checkpoint at all)."""
+    from offload_engine.checkpoint import save_checkpoint
+    from offload_engine.checkpoint import writer_lock
+    from helpers.forged import train
+    ck = str(tmp_path / "ck")
+    model, opt = fresh_model(str(tmp_path / "state"))
+    train(model, opt, [1])
+    real = getattr(writer_lock, where)
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(where)
+        if len(calls) == 1:
+            raise SystemExit(143)                     # as the trial's SIGTERM handler raises
+        return real(*args, **kwargs)
+    monkeypatch.setattr(writer_lock, where, interrupted)
+    with pytest.raises(SystemExit):
+        save_checkpoint(ck, model, opt, 1)
+    save_checkpoint(ck, model, opt, 1, tag="interrupt-1")   # the handler's save
+    opt.close()
+    assert len(calls) == 2
+    assert os.path.basename(resolve(ck)) == "interrupt-1"
+    with open(os.path.join(ck, WRITER_LOCK), "rb") as f:  # and no descriptor keeps it locked
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
