@@ -186,6 +186,7 @@ def _fsdp_worker(rank: int, world: int, init: str, fixture: str, out: str):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         want = expected(fixture)
@@ -200,6 +201,9 @@ def _fsdp_worker(rank: int, world: int, init: str, fixture: str, out: str):
                 for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save(full, out)
+        # both ranks done before either tears gloo down: a peer closing its connections
+        # while the other still uses them aborted a child (SIGABRT) once in a full run
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
