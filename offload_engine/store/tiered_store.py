@@ -30,7 +30,7 @@ from .completions import failed, interrupted_start, report_unstarted, started
 from .config import StoreConfig
 from .counters import StatsCounter, StoreStats
 from .earlier_run import EarlierRun
-from .geometry import pool_bytes
+from .pool_slots import room_needed, slot_bytes, take_buffer
 from .acquire_wait import AcquireWait, in_flight
 from .errors import for_bucket
 from .policy import Credit, ResidencyPolicy
@@ -83,8 +83,7 @@ class TieredStore:
         self._tick = 0
         self._snapshot: Snapshot | None = None
         self._closed = False
-        # every streamed bucket takes a whole bucket's slot of the pool (io/extents.py)
-        self._slot_bytes = min(pool_bytes(cfg.bucket_bytes), self.pool.capacity)
+        self._slot_bytes = slot_bytes(cfg.bucket_bytes, self.pool.capacity)  # pool_slots.py
 
     # -- arrays -----------------------------------------------------------------------------
     def register(self, name: str, dtype: torch.dtype, numel: int, home: str | None = None) -> StoreArray:
@@ -331,10 +330,10 @@ class TieredStore:
         """A pinned buffer for ``b`` now, or (None, "pending" | "none"): evicts the victims
         the policy names until one fits; a dirty victim is written back first."""
         while True:
-            buf = self._take_buffer(b)
+            buf = take_buffer(self.pool, b, self._slot_bytes)
             if buf is not None:
                 return buf, "ok"
-            if credit.claim(self._slot_bytes if not b.pinned_home else pool_bytes(b.nbytes)):
+            if credit.claim(room_needed(b, self._slot_bytes)):
                 return None, "pending"  # a write-back in flight will make room: wait for it
             key = self._policy.choose_victim(demand, b.key)
             if key is None:
@@ -344,16 +343,6 @@ class TieredStore:
                 self._start_write(victim, evict_after=True)
                 return None, "pending"
             self._drop(victim)
-
-    def _take_buffer(self, b: Bucket):
-        """``b``'s pinned buffer if the pool has room now, else None. A streamed bucket,
-        however short, takes a whole bucket's slot from the bottom, a bucket homed on the
-        CPU (kept for the store's life) its own size from the top: the pool then never has
-        a bucket's bytes free in pieces too small for a bucket (io/extents.py), so a pool
-        sized for k held buckets holds k."""
-        if b.pinned_home:
-            return self.pool.try_acquire(b.nbytes, top=True)
-        return self.pool.try_acquire(b.nbytes, reserve=self._slot_bytes)
 
     def _retry_failed_writes(self, evict_after: bool = True) -> None:
         """Start writing again every unheld bucket whose write-back failed (evicted once
@@ -461,15 +450,13 @@ class TieredStore:
             if forward is None:
                 self._policy.clear()
                 return
-            forward = [tuple(k) for k in forward]
-            backward = None if backward is None else [tuple(k) for k in backward]
+            forward, backward = [tuple(k) for k in forward], backward and [tuple(k) for k in backward]
             self._registry.check_keys(forward + (backward or []))
             self._policy.declare(forward, backward)
 
     def begin_step(self) -> list[tuple[str, int]] | None:
-        """Mark a step boundary; returns this step's bucket order (the declared one,
-        alternating with ``alternate_order``), or None while the first step's acquire order
-        is being recorded as the schedule."""
+        """Mark a step boundary; returns this step's bucket order (the declared one, alternating
+        with ``alternate_order``), or None while the first step's acquire order is recorded."""
         with self._lock:
             # write-backs that failed (a full disk) are tried again once per step, so their
             # bytes reach the disk as soon as it has room, with no flush() needed
