@@ -1,7 +1,9 @@
 """``offload-engine diff A B``: names, shapes and dtypes added, removed or changed, then the
 values of every tensor both hold, within tolerance. A and B may be of different kinds
 (a checkpoint against its consolidated safetensors, a DeepSpeed checkpoint against ours, a
-live store against a checkpoint of its run: the optimizer states both hold).
+live store against a checkpoint of its run: the optimizer states both hold). The root of a
+store of several ranks (a folder per rank) is read as one store, whole tensors put together
+from the ranks' rows; ranks missing or from different steps or runs are bad input.
 
 Exit codes: 0 equal within tolerance; 1 different; 2 bad input (one line on stderr).
 """
@@ -15,7 +17,8 @@ import sys
 from ..formats import KIND_LABELS
 from ..formats.detect import store_root_ranks
 from ..offline.diff import diff_sources
-from .inspect import _num, _table, add_expert_argument, open_input
+from ..offline.rank_stores import open_store_root
+from .inspect import _num, _table, add_expert_argument, expert_view, open_input
 from .printable import printable
 from .progress import ProgressLine, wanted
 from ..errors import InputError
@@ -32,8 +35,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "everywhere (NaN equals NaN). By default each tensor's value is compared: "
                     "its master weights where it has them, else the parameter. Exit codes: 0 "
                     "equal within tolerance, 1 different, 2 bad input.")
-    p.add_argument("a", metavar="A", help="first input (any kind inspect reads)")
-    p.add_argument("b", metavar="B", help="second input, the reference")
+    p.add_argument("a", metavar="A", help="first input: any kind inspect reads; a store's root "
+                                           "(the nvme_paths directory) reads every rank's "
+                                           "folder as one store")
+    p.add_argument("b", metavar="B", help="second input, the reference (the same kinds)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--state", action="append", metavar="S",
@@ -68,20 +73,22 @@ def _mode(states):
     return states
 
 
-def _rank_folder(path: str) -> str:
-    """``path``, or the store folder of its only rank when it is the root of a one-rank
-    store (the ``nvme_paths`` directory a single process was given). The root of a store of
-    several ranks stays as it is: opening it says to pass one rank's folder."""
-    ranks = store_root_ranks(path)
-    return ranks[0][1] if len(ranks) == 1 else path
+def open_side(path: str, generation: str | None, expert: int | None):
+    """Input ``path`` as ``inspect`` opens it, except the root of a store (the directory
+    given as ``nvme_paths``): every rank's store folder read as one store
+    (``offline.rank_stores``), so whole tensors compare as they do in a one-rank store."""
+    ranks = store_root_ranks(path) if generation is None else []
+    if not ranks:
+        return open_input(path, generation, expert)
+    return expert_view(open_store_root(path, ranks), expert)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
         raise InputError("--rtol and --atol must be >= 0")
     mode = _mode(args.state)
-    with open_input(_rank_folder(args.a), args.generation_a, args.expert) as a, \
-            open_input(_rank_folder(args.b), args.generation_b, args.expert) as b:
+    with open_side(args.a, args.generation_a, args.expert) as a, \
+            open_side(args.b, args.generation_b, args.expert) as b:
         progress = ProgressLine(label="diff") if wanted(args) else None
         report = diff_sources(a, b, rtol=args.rtol, atol=args.atol, mode=mode, names=args.name,
                               ignore_dtype=args.ignore_dtype, progress=progress,

@@ -279,15 +279,20 @@ def open_input(path: str, generation: str | None = None, expert: int | None = No
     manifest's millions of objects would otherwise be walked by every later full garbage
     collection (0.8 s each for 50,000 tensors over 8 ranks). With ``expert``, the view of
     that expert alone (``offline.experts.ExpertView``)."""
-    source = open_source(path, generation, **options)
-    if expert is not None:
-        try:
-            source = ExpertView(source, expert)
-        except BaseException:
-            source.close()
-            raise
+    source = expert_view(open_source(path, generation, **options), expert)
     gc.freeze()
     return source
+
+
+def expert_view(source, expert: int | None):
+    """``source``, or with ``expert`` its view of that expert alone (closed on an error)."""
+    if expert is None:
+        return source
+    try:
+        return ExpertView(source, expert)
+    except BaseException:
+        source.close()
+        raise
 
 
 def run(args: argparse.Namespace) -> int:
