@@ -34,6 +34,7 @@ from ..io import AsyncFileIO, BufferPool
 from ..io.page_cache import evict_and_check
 from ..plan import disk_profile
 from .args import aligned_size, positive_int
+from .progress import ByteCounter, ProgressLine, wanted
 from ..units import MiB, format_bytes
 from ..errors import InputError
 FULL = {"block_sizes": [1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB], "queue_depths": [1, 4, 8, 16, 32],
@@ -106,8 +107,14 @@ def run(args) -> int:
     if args.refresh_profile:
         return refresh_profile(args)
     cfg = settings(args)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else (lambda m: None)
-    result = sweep(args.path, say=say, **cfg)
+    bar = ProgressLine(label="bench disk") if wanted(args) else None
+    say = (lambda m: None) if args.json else bar.write if bar else (
+        lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        result = sweep(args.path, say=say, progress=bar, **cfg)
+    finally:
+        if bar is not None:
+            bar.close()
     if not args.no_cache:
         result["cache_file"] = disk_profile.save_profile(args.path, result)
     if args.deepspeed_aio:
@@ -175,8 +182,9 @@ def deepspeed_aio(best: dict) -> dict:
 
 def sweep(path: str, *, size: int, block_sizes: list[int], queue_depths: list[int],
           threads: list[int] | None, request_size: int, repeats: int, quick: bool = False,
-          say=lambda m: None) -> dict:
-    """Measure every point; returns the points, the best one and what was measured."""
+          say=lambda m: None, progress=None) -> dict:
+    """Measure every point; returns the points, the best one and what was measured.
+    ``progress(done, total)``: bytes moved by the timed runs so far, of all of them."""
     if not os.path.isdir(path):
         raise DiskBenchError(f"{path}: not an existing directory")
     if not os.access(path, os.W_OK):
@@ -190,6 +198,8 @@ def sweep(path: str, *, size: int, block_sizes: list[int], queue_depths: list[in
     workdir = tempfile.mkdtemp(prefix="oe-bench-disk-", dir=path)
     file = os.path.join(workdir, "data")
     points, direct, cached = [], None, 0
+    runs = len(blocks) * len(queue_depths) * len(threads or [None]) * repeats
+    moved = ByteCounter(progress, 2 * size * runs)
     t_start = time.monotonic()
     pool = BufferPool(request, pin=False)
     try:
@@ -205,8 +215,10 @@ def sweep(path: str, *, size: int, block_sizes: list[int], queue_depths: list[in
                     with AsyncFileIO(threads=th, queue_depth=qd, block_size=bs) as io:
                         for _ in range(repeats):
                             w.append(_timed(io, file, buf, size, request, write=True))
+                            moved(size)
                             cached = max(cached, evict_and_check([file]))
                             r.append(_timed(io, file, buf, size, request, write=False))
+                            moved(size)
                         direct = io.uses_direct(file) if direct is None else (direct and io.uses_direct(file))
                     pt = {"block_size": bs, "queue_depth": qd, "io_threads": th,
                           "write_gbps": round(size / statistics.median(w) / 1e9, 4),

@@ -56,6 +56,7 @@ import numpy as np
 from ..io import ALIGN, AsyncFileIO
 from ..layout import FlatArray
 from .args import byte_size, positive_int
+from .progress import ByteCounter, ProgressLine, wanted
 from ..units import MiB, format_bytes, parse_bytes
 from .bench_io_methods import (ITEMSIZE, BenchError, EngineBench, FioBench, ODirectLoopBench,
                                TensorstoreBench, ZarrPythonBench, fill_pattern, probe_direct)
@@ -150,7 +151,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = run_benchmark(config_from_args(args), progress=_progress(args))
+    bar = ProgressLine(label="bench io") if wanted(args) else None
+    try:
+        result = run_benchmark(config_from_args(args), progress=_progress(args, bar), moved=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 
@@ -166,10 +172,11 @@ def config_from_args(args: argparse.Namespace, **overrides) -> BenchConfig:
     return BenchConfig(**values)
 
 
-def _progress(args):
+def _progress(args, bar=None):
+    """With --debug, each measurement's line on stderr (above the bar where one is drawn)."""
     if not getattr(args, "debug", False):
         return None
-    return lambda line: print(line, file=sys.stderr, flush=True)
+    return bar.write if bar is not None else lambda line: print(line, file=sys.stderr, flush=True)
 
 
 
@@ -177,10 +184,12 @@ def _progress(args):
 # --------------------------------------------------------------------------------------------
 # the benchmark
 # --------------------------------------------------------------------------------------------
-def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
+def run_benchmark(cfg: BenchConfig, progress=None, moved=None) -> dict:
     """Run every method ``cfg.runs`` times; returns the JSON-ready result.
 
-    ``progress``: optional callable taking one line of text per measurement.
+    ``progress``: optional callable taking one line of text per measurement; ``moved``:
+    optional ``moved(done, total)``, the bytes written and read so far (warm-up included)
+    of all the benchmark moves.
     """
     say = progress or (lambda line: None)
     check_config(cfg)
@@ -189,7 +198,7 @@ def run_benchmark(cfg: BenchConfig, progress=None) -> dict:
     workdir = make_workdir(cfg.path, 5 if baseline == "fio" else 4, cfg.size)
     try:
         settings, report = engine_settings(cfg)
-        return _run_in(cfg, settings, report, baseline, workdir, say)
+        return _run_in(cfg, settings, report, baseline, workdir, say, moved)
     finally:
         if cfg.keep:
             say(f"kept {workdir}")
@@ -276,7 +285,7 @@ def _choose_baseline(choice: str) -> str:
 
 
 def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workdir: str,
-            say) -> dict:
+            say, moved=None) -> dict:
     import torch
 
     rd, wr = settings["read"], settings["write"]
@@ -325,8 +334,10 @@ def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workd
         # overwrites blocks already written, as every step of a training run does (the
         # first write into new or preallocated extents also pays for the file system's
         # allocation, in whichever run came first) --
+        count = ByteCounter(moved, cfg.size * len(benches) * (1 + 2 * cfg.runs))
         for name, bench in benches:
             bench.write()
+            count(cfg.size)
             say(f"warm-up {name} write (untimed)")
         engine.direct_pieces = engine.buffered_pieces = 0  # count the timed runs' pieces only
 
@@ -337,6 +348,7 @@ def _run_in(cfg: BenchConfig, settings: dict, report: dict, baseline: str, workd
             for column in ("write", "read"):
                 for name, bench in order:
                     wall, cpu = getattr(bench, column)()
+                    count(cfg.size)
                     gbps = cfg.size / wall / 1e9
                     getattr(results[name], f"{column}_runs").append(gbps)
                     getattr(results[name], f"{column}_cpu").append(cpu)

@@ -1,5 +1,5 @@
 """Progress bars with rate and ETA for long commands (consolidate, import deepspeed, export,
-diff, inspect --stats), drawn by tqdm on stderr, only when stderr is a terminal and never
+diff, inspect --stats, bench io, bench disk), drawn by tqdm on stderr, only when stderr is a terminal and never
 with --json (a script reading the JSON, or a log file, gets no control characters).
 
 Why tqdm: it is the progress bar Python users already see in pip, Hugging Face and
@@ -47,11 +47,31 @@ class ProgressLine:
         if done >= total:
             self.close()
 
+    def write(self, line: str) -> None:
+        """Print ``line`` on the bar's stream, above the bar (which is drawn again below)."""
+        if self.bar is None:
+            print(line, file=self.stream, flush=True)
+        else:
+            self.bar.write(line, file=self.stream)
+
     def close(self) -> None:
         """Finish the line (also on an error part way: the next message starts on its own)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class ByteCounter:
+    """Adds up the bytes a measurement moves, called as ``counter(nbytes)`` after each
+    piece, into ``progress(done, total)`` (a ``ProgressLine``; None: counts only)."""
+
+    def __init__(self, progress, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total)
 
 
 class RankProgress:

@@ -4,7 +4,6 @@ terminal only (bench disk saying where it saved its profile: test_bench_disk.py)
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -22,24 +21,10 @@ from offload_engine.cli.main import build_parser, main
 from offload_engine.formats.errors import FormatError
 
 from helpers.paths import FIXTURES
+from helpers.terminal import assert_bar, terminal
 
 DS_RUN = os.path.join(FIXTURES, "deepspeed", "zero2_w3_fp32")
 IMPORT_RUN = os.path.join(FIXTURES, "deepspeed_import", "zero3_w2_fp32_adamw")
-
-
-class Terminal(io.StringIO):
-    """A stderr that says it is a terminal."""
-
-    def isatty(self) -> bool:
-        return True
-
-
-def terminal(monkeypatch) -> Terminal:
-    """Make stderr a terminal for the rest of the test (pytest puts its own capture back
-    between a fixture's setup and the test, so this runs in the test's body)."""
-    stream = Terminal()
-    monkeypatch.setattr(sys, "stderr", stream)
-    return stream
 
 
 # --- 1. --version / -V ----------------------------------------------------------------
@@ -157,22 +142,16 @@ def test_bash_completes_a_command_and_an_option(tmp_path):
 
 # --- 5. progress with rate and ETA, on a terminal only --------------------------------
 
-def _assert_bar(text: str, label: str):
-    assert label in text, text
-    assert "/s" in text, f"no rate in {text!r}"
-    assert "<" in text, f"no ETA in {text!r}"   # tqdm: [elapsed<remaining, rate]
-
-
 def test_export_draws_a_bar_on_a_terminal(tmp_path, monkeypatch):
     stderr = terminal(monkeypatch)
     assert main(["export", DS_RUN, "emb.weight", "--out", str(tmp_path / "e.npy")]) == 0
-    _assert_bar(stderr.getvalue(), "export")
+    assert_bar(stderr.getvalue(), "export")
 
 
 def test_diff_draws_a_bar_on_a_terminal(monkeypatch):
     stderr = terminal(monkeypatch)
     assert main(["diff", DS_RUN, DS_RUN]) == 0
-    _assert_bar(stderr.getvalue(), "diff")
+    assert_bar(stderr.getvalue(), "diff")
 
 
 def test_import_draws_a_bar_on_a_terminal(tmp_path, monkeypatch):
@@ -180,7 +159,7 @@ def test_import_draws_a_bar_on_a_terminal(tmp_path, monkeypatch):
     assert main(["import", "deepspeed", IMPORT_RUN, str(tmp_path / "ckpt"),
                  "--world-size", "2"]) == 0
     text = stderr.getvalue()
-    _assert_bar(text, "import")
+    assert_bar(text, "import")
     assert "2/2" in text and "written" in text
 
 
