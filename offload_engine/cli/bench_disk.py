@@ -143,7 +143,12 @@ def refresh_profile(args) -> int:
         raise DiskBenchError(f"{args.path}: not an existing directory")
     if not os.access(args.path, os.W_OK):
         raise DiskBenchError(f"{args.path}: directory is not writable")
-    prof = device_profile.choose(args.path, refresh=True, probe_allowed=True)
+    bar = ProgressLine(label="probe") if wanted(args) else None
+    try:
+        prof = device_profile.choose(args.path, refresh=True, probe_allowed=True, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     if prof["source"] != "probe":
         raise DiskBenchError(f"{args.path}: the probe failed (see the warning above); "
                              "nothing was cached")

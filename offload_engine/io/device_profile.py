@@ -201,7 +201,8 @@ def settings_of(profile: dict, op: str, source: str = "profile") -> DirectionSet
 
 
 # -- the choice -----------------------------------------------------------------------------
-def choose(path: str, *, refresh: bool = False, probe_allowed: bool | None = None) -> dict:
+def choose(path: str, *, refresh: bool = False, probe_allowed: bool | None = None,
+           progress=None) -> dict:
     """The profile to use for files under ``path`` (a directory that exists).
 
     The cached one; else (or with ``refresh``) a new probe, saved to the cache (when the
@@ -209,7 +210,7 @@ def choose(path: str, *, refresh: bool = False, probe_allowed: bool | None = Non
     off (``probe_allowed`` False, default: ``OFFLOAD_ENGINE_IO_PROBE`` is not an "off"
     spelling, ``envflags.parse_flag``) or
     fails, the built-in default. The result has "read" and "write" settings and "source":
-    "cache", "probe" or "default".
+    "cache", "probe" or "default". ``progress``: passed to ``probe``.
     """
     if probe_allowed is None:
         probe_allowed = env_flag(PROBE_ENV, True)
@@ -235,7 +236,7 @@ def choose(path: str, *, refresh: bool = False, probe_allowed: bool | None = Non
                 cached["source"] = "cache"
                 return cached
         try:
-            result = probe(path)
+            result = probe(path, progress=progress)
         except Exception as e:  # a disk that cannot be measured is used with the defaults
             log.warning("I/O profile probe in %s failed (%s); using the built-in defaults",
                         path, e)
@@ -301,7 +302,8 @@ def forget_memo() -> None:
 
 
 # -- the probe ----------------------------------------------------------------------------
-def probe(path: str, *, size: int | None = None, cases=None, passes: int | None = None) -> dict:
+def probe(path: str, *, size: int | None = None, cases=None, passes: int | None = None,
+          progress=None) -> dict:
     """Measure ``cases`` (default ``CASES``) on a temporary file in directory ``path``
     (removed after), up to ``passes`` times each (default ``PASSES``; every other pass in
     reverse order; after the first, only the ``contenders``); the choice per direction
@@ -309,7 +311,8 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
     and how long it took. ``size``: bytes per case and direction
     (default ``PROBE_BYTES``, rounded down to whole requests). Figures are GB/s (1e9
     bytes/s). Memory file systems (tmpfs, ramfs) and those that refuse O_DIRECT are
-    measured, and chosen, buffered only."""
+    measured, and chosen, buffered only. ``progress(done, total)``: bytes moved so
+    far, of at most all (a later pass measures fewer cases: the total shrinks then)."""
     global probes_run
     from .buffer_pool import BufferPool
     from .direct_probe import probe_direct
@@ -335,6 +338,13 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
     runs = [{"write": [], "read": []} for _ in cases]  # per case: (wall, cpu) seconds per pass
     requests = [_request_bytes(size, request, streams) for _mode, _qd, _bs, streams in cases]
     pool = BufferPool(request, pin=False)
+    moved = [0, size * (1 + 2 * len(cases) * passes)]  # bytes done, of at most
+
+    def count(nbytes: int) -> None:
+        moved[0] += nbytes
+        if progress is not None:
+            progress(*moved)
+
     try:
         buf = pool.acquire(request)
         buf.bytes.view(-1)[:] = 0x5A  # not zeros: no file system shortcut
@@ -344,18 +354,22 @@ def probe(path: str, *, size: int | None = None, cases=None, passes: int | None 
             # also pays the file system's conversion of them, which would fall on the first
             # case only; the store overwrites written blocks every step
             _timed(io0, file, buf, size, request, write=True)
+            count(size)
         measured = list(range(len(cases)))
         for n in range(passes):
             if n:
                 measured = contenders(_points(cases, requests, runs, size), measured)
+                moved[1] = moved[0] + 2 * size * len(measured) * (passes - n)
             for i in (measured if n % 2 == 0 else reversed(measured)):
                 mode, qd, bs, streams = cases[i]
                 req = requests[i]
                 st = DirectionSettings(mode, qd, min(bs, req), "probe", streams)
                 with AsyncFileIO(threads=qd, read=st, write=st) as io:
                     runs[i]["write"].append(_timed(io, file, buf, size, req, write=True))
+                    count(size)
                     evict([file])
                     runs[i]["read"].append(_timed(io, file, buf, size, req, write=False))
+                    count(size)
         buf.release()
         points = _points(cases, requests, runs, size)
     finally:

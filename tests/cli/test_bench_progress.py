@@ -60,3 +60,36 @@ def test_bench_io_draws_a_bar_on_a_terminal_and_none_with_json(tmp_path, monkeyp
     assert main(["bench", "io", "--path", str(tmp_path), *IO, "--json"]) == 0
     assert stderr.getvalue() == ""
     assert json.loads(capsys.readouterr().out)["methods"]["engine"]["read_gbps"] > 0
+
+
+@pytest.fixture
+def small_probe(monkeypatch, tmp_path):
+    """Probes of 1 MiB per case, two cases, in a profile directory of this test's own."""
+    from offload_engine.io import device_profile as dp
+
+    monkeypatch.setattr(dp, "PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(dp, "REQUEST_BYTES", 256 << 10)
+    monkeypatch.setattr(dp, "CASES", (("direct", 2, 256 << 10, 1), ("buffered", 2, 256 << 10, 1)))
+    monkeypatch.setenv(dp.PROFILE_DIR_ENV, str(tmp_path / "profiles"))
+    dp.forget_memo()
+    yield
+    dp.forget_memo()
+
+
+def test_refresh_profile_draws_a_bar_that_ends_complete(tmp_path, small_probe, monkeypatch,
+                                                       capsys):
+    """The probe's total shrinks when its second pass measures only the contenders: the bar
+    still ends at 100%, done equal to total."""
+    stderr = terminal(monkeypatch)
+    assert main(["bench", "disk", "--path", str(tmp_path), "--refresh-profile"]) == 0
+    text = stderr.getvalue()
+    assert_bar(text, "probe")
+    last = text.rstrip("\n").rsplit("\r", 1)[-1]
+    assert "100%" in last, last
+    done, total = last.split("| ")[1].split(" ")[0].split("/")
+    assert done == total, last
+    assert "saved to" in capsys.readouterr().out
+    stderr.truncate(0)
+    stderr.seek(0)
+    assert main(["bench", "disk", "--path", str(tmp_path), "--refresh-profile", "--json"]) == 0
+    assert stderr.getvalue() == "" and json.loads(capsys.readouterr().out)["source"] == "probe"
