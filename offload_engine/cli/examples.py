@@ -74,6 +74,8 @@ EXAMPLES: dict[tuple, list[tuple[str, str]]] = {
          "offload-engine diff ckpt/ ds_run/ --state all --rtol 1e-6"),
         ("names, shapes and dtypes only", "offload-engine diff hf_model/ ckpt/ "
                                           "--metadata-only"),
+        ("a run's live store (every rank) against its checkpoint",
+         "offload-engine diff /nvme0/run ckpt/"),
     ],
     ("export",): [
         ("a weight as numpy", "offload-engine export ckpt/ lm_head.weight --out lm_head.npy"),
