@@ -1,13 +1,16 @@
-"""The Hugging Face Trainer with TrainerZeroMuon under ``accelerate launch`` with an FSDP2
-config (fsdp_version 2), 2 CPU processes.
+"""The Hugging Face Trainer with ZeroMuon under ``accelerate launch`` with an FSDP2 config
+(fsdp_version 2), 2 CPU processes (gloo).
 
 accelerate 1.16 does not shard on CPU: ``AcceleratorState`` sets ``DistributedType.FSDP``
 only when the process group is one of the accelerator kinds (MULTI_GPU, MULTI_NPU, ...),
-and a CPU run is MULTI_CPU (accelerate/state.py). So the FSDP2 config runs as data
-parallel over gloo, whole parameters on each rank. The first test pins that, so a future
-accelerate that does shard on CPU makes it fail and this file gets the FSDP2 assertions;
-the second tests what runs: trains, saves, resumes bit for bit, and the saved model loads
-with ``from_pretrained``; the third applies FSDP2 by hand inside the Trainer.
+and a CPU run is MULTI_CPU (accelerate/state.py). So the model is sharded with FSDP2 before
+the Trainer sees it: by transformers at load time (``from_pretrained(...,
+distributed_config=DistributedConfig(fsdp_size=2))``), or by hand (``fully_shard``). Then
+``ZeroMuonTrainer`` trains the DTensor shards, saves our checkpoint into each Trainer
+checkpoint folder, resumes from it bit for bit, and ``offload-engine consolidate`` of that
+folder gives safetensors that ``from_pretrained`` loads with the trained weights. The plain
+Trainer recipe runs as data parallel (the first test pins that, so a future accelerate that
+does shard on CPU makes it fail and this file gets accelerate's own FSDP2 path).
 """
 
 import os
@@ -23,6 +26,7 @@ pytest.importorskip("accelerate", reason="accelerate launch is the client under 
 transformers = pytest.importorskip("transformers")
 
 from helpers.accelerate_trainer_run import probe_batch, tiny_config  # noqa: E402 (after the skips)
+from offload_engine.cli.main import main as cli_main  # noqa: E402
 
 RUN = script("accelerate_trainer_run.py")
 WORLD = 2
@@ -46,8 +50,10 @@ fsdp_config:
 """
 
 
-def launch(config, args):
-    """``accelerate launch --config_file config RUN args`` as a real process (gloo, CPU)."""
+def launch(folder, args, port):
+    """``accelerate launch --config_file CFG RUN args`` as a real process (gloo, CPU)."""
+    config = folder / f"accelerate-{port}.yaml"
+    config.write_text(FSDP2_CONFIG.format(world=WORLD, port=port))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
            RUN, *map(str, args)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
@@ -59,57 +65,96 @@ def results(folder):
     return [torch.load(os.path.join(folder, f"result-rank{r}.pt")) for r in range(WORLD)]
 
 
+def base_port():
+    return 29400 + os.getpid() % 100 * 4
+
+
+def consolidated(checkpoint, out):
+    """``offload-engine consolidate checkpoint out``, loaded with ``from_pretrained``."""
+    assert cli_main(["consolidate", str(checkpoint), str(out)]) == 0
+    return transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+
+
+def assert_same_weights(model, params):
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name]), name
+
+
+def assert_same_weights_dict(a, b):
+    assert a.keys() == b.keys()
+    for name, p in a.items():
+        assert torch.equal(p, b[name]), name
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """An uninterrupted 6-step run and one resumed from its step-3 checkpoint."""
+def fsdp2_runs(tmp_path_factory):
+    """An uninterrupted 6-step FSDP2 run (checkpoints at steps 3 and 6) and one resumed from
+    its checkpoint-3."""
     tmp = tmp_path_factory.mktemp("accelerate")
-    port = 29400 + os.getpid() % 200 * 2
-    whole_cfg, resumed_cfg = tmp / "whole.yaml", tmp / "resumed.yaml"
-    whole_cfg.write_text(FSDP2_CONFIG.format(world=WORLD, port=port))
-    resumed_cfg.write_text(FSDP2_CONFIG.format(world=WORLD, port=port + 1))
-    launch(whole_cfg, [tmp / "whole", 6])
-    launch(resumed_cfg, [tmp / "resumed", 6, tmp / "whole" / "checkpoint-3"])
+    launch(tmp, [tmp / "whole", 6, "--fsdp2"], base_port())
+    launch(tmp, [tmp / "resumed", 6, "--fsdp2", "--resume", tmp / "whole" / "checkpoint-3"],
+           base_port() + 1)
     return tmp, results(tmp / "whole"), results(tmp / "resumed")
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_config_runs_as_data_parallel_on_cpu(runs):
-    _, whole, _ = runs
+def test_accelerate_runs_the_fsdp2_config_as_multi_cpu_and_the_model_sharded_before(fsdp2_runs):
+    _, whole, _ = fsdp2_runs
     for r in whole:
-        assert r["world"] == WORLD
-        assert r["distributed_type"] == "MULTI_CPU" and not r["fsdp"] and not r["dtensor"]
+        assert r["world"] == WORLD and r["optimizer"] == "ZeroMuon"
+        assert r["distributed_type"] == "MULTI_CPU" and not r["fsdp"]  # accelerate: no FSDP
+        assert r["dtensor"]  # transformers' FSDP2 shards, which ZeroMuon trains
 
 
 @pytest.mark.multiprocess
-def test_trains_saves_resumes_bit_for_bit_and_loads_with_from_pretrained(runs):
-    tmp, whole, resumed = runs
+def test_fsdp2_trainer_resumes_from_its_checkpoint_bit_for_bit(fsdp2_runs):
+    tmp, whole, resumed = fsdp2_runs
     for a, b in zip(whole, resumed):
         assert len(a["losses"]) == 6 and a["losses"] == b["losses"]
-        for name, p in a["params"].items():
-            assert torch.equal(p, b["params"][name]), name
+        assert_same_weights_dict(a["params"], b["params"])
         assert torch.equal(a["logits"], b["logits"])
-    for other in whole[1:]:  # data parallel: the ranks agree
-        assert all(torch.equal(p, other["params"][n]) for n, p in whole[0]["params"].items())
-    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp / "whole" / "checkpoint-6").eval()
-    with torch.no_grad():
-        assert torch.equal(loaded(probe_batch()).logits, whole[0]["logits"])
+    assert whole[0]["losses"] == whole[1]["losses"]  # one global loss, logged on both ranks
+    assert_same_weights_dict(whole[0]["params"], whole[1]["params"])  # the gathered weights
+    torch.manual_seed(0)  # the runner's initial weights: every parameter was stepped
+    start = transformers.GPT2LMHeadModel(tiny_config())
+    assert not any(torch.equal(p, whole[0]["params"][n]) for n, p in start.named_parameters())
+    # the Trainer's folder is one of ours: generation step-3 named by 'latest'
+    assert (tmp / "whole" / "checkpoint-3" / "latest").read_text().strip() == "step-00000003"
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_by_hand_inside_the_trainer_trains_with_zero_muon(tmp_path):
-    """What a CPU user can do instead: fully_shard by hand, then the Trainer (no resume:
-    the Trainer refuses to save optimizer state for a model sharded before it)."""
-    config = tmp_path / "fsdp2.yaml"
-    config.write_text(FSDP2_CONFIG.format(world=WORLD, port=29800 + os.getpid() % 100))
-    launch(config, [tmp_path, 4, "--fsdp2-by-hand"])
-    ranks = results(tmp_path)
+def test_fsdp2_checkpoint_consolidates_into_weights_from_pretrained_loads(fsdp2_runs):
+    tmp, whole, _ = fsdp2_runs
+    model = consolidated(tmp / "whole" / "checkpoint-6", tmp / "merged")
+    assert_same_weights(model, whole[0]["params"])
+    with torch.no_grad():
+        assert torch.equal(model(probe_batch()).logits, whole[0]["logits"])
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_by_hand_saves_a_checkpoint_that_consolidates(tmp_path):
+    """``fully_shard`` by hand, the model marked as sharded at load time: the Trainer's
+    save (its model weights gathered, ours sharded) and consolidate work the same."""
+    launch(tmp_path, [tmp_path / "run", 3, "--fsdp2-by-hand"], base_port() + 2)
+    ranks = results(tmp_path / "run")
+    assert all(r["dtensor"] and len(r["losses"]) == 3 for r in ranks)
+    assert_same_weights(consolidated(tmp_path / "run" / "checkpoint-3", tmp_path / "merged"),
+                        ranks[0]["params"])
+    saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "checkpoint-3")
+    assert_same_weights(saved, ranks[0]["params"])  # the Trainer's model.safetensors
+
+
+@pytest.mark.multiprocess
+def test_plain_trainer_recipe_runs_as_data_parallel(tmp_path):
+    """The Trainer recipe unchanged (``TrainerZeroMuon``, no sharding): accelerate wraps the
+    model in DDP; the Trainer's own checkpoint loads with ``from_pretrained``. (Its resume is
+    tested under torchrun DDP in test_hf_trainer.py.)"""
+    launch(tmp_path, [tmp_path / "run", 3], base_port() + 3)
+    ranks = results(tmp_path / "run")
     for r in ranks:
-        assert r["dtensor"] and r["optimizer"] == "ZeroMuon" and len(r["losses"]) == 4
-        assert all(torch.isfinite(torch.tensor(loss)) for _, loss in r["losses"])
-    assert ranks[0]["losses"] == ranks[1]["losses"]  # one global loss, logged on both ranks
-    for name, p in ranks[0]["params"].items():  # the gathered parameters agree
-        assert torch.equal(p, ranks[1]["params"][name]), name
-    torch.manual_seed(0)  # the runner's initial weights
-    start = transformers.GPT2LMHeadModel(tiny_config())
-    moved = [n for n, p in start.named_parameters() if not torch.equal(p, ranks[0]["params"][n])]
-    assert len(moved) == len(ranks[0]["params"])  # every parameter was stepped
+        assert r["distributed_type"] == "MULTI_CPU" and not r["fsdp"] and not r["dtensor"]
+        assert r["optimizer"] == "ZeroMuon" and len(r["losses"]) == 3
+    assert_same_weights_dict(ranks[0]["params"], ranks[1]["params"])  # DDP ranks agree
+    saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "checkpoint-3")
+    with torch.no_grad():
+        assert torch.equal(saved.eval()(probe_batch()).logits, ranks[0]["logits"])
