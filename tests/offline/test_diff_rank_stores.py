@@ -133,3 +133,49 @@ def test_a_rank_of_another_run_is_refused(run, tmp_path, capsys):
     assert cli_main(["diff", str(store), str(run / "ck")]) == 2
     err = capsys.readouterr().err
     assert "different runs" in err and "'w_big'" in err, err
+
+
+# -- tensor parallel: each rank holds a box (columns), replicated tensors on both ------------------
+def _train_tp(rank, world, mesh, tmp):
+    import torch
+
+    from offload_engine.optim import ZeroMuon
+    from helpers.checkpoint_runs import ADAMW, MUON, store
+    from helpers.zero_muon_meshes import tp
+
+    model, _ = tp(mesh, 3)
+    opt = ZeroMuon(model.named_parameters(), **MUON, adamw=ADAMW,
+                   store=store(os.path.join(tmp, "live")))
+    for step in range(2):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p) * (0.01 * (step + 1)) + p.detach() * 0.1
+        opt.step()
+    save_checkpoint(os.path.join(tmp, "ck"), model, opt, 2)
+    opt.close()
+
+
+def test_boxes_of_a_tensor_parallel_store_put_together(tmp_path, capsys):
+    """big.weight is Shard(1): rank 1 holds columns [32, 64) of every row, 96 runs of the
+    flat tensor; norm.weight is replicated (both ranks hold it whole)."""
+    import zarr
+
+    from offload_engine.formats.ours.reader import OursSource
+
+    spawn(2, _train_tp, str(tmp_path))
+    live, ck = tmp_path / "live", tmp_path / "ck"
+    doc = json.loads((live / "rank1" / "zarr.json").read_text())["attributes"]["tensors"]
+    assert doc["big.weight"]["boxes_per_rank"] == [[[0, 0], [96, 32]], [[0, 32], [96, 32]]]
+    rc, report = _diff(capsys, live, ck)
+    assert rc == 0 and report["equal"], report
+    counts = _counts(report)
+    assert counts[("big.weight", "momentum_buffer")] == 96 * 64
+    assert counts[("norm.weight", "exp_avg")] == 8
+
+    with OursSource(str(live / "rank1"), "store") as rank1:
+        p = rank1.placements()[("big.weight", "momentum_buffer")][0]
+    array = zarr.open_array(str(live / "rank1" / p.array), mode="r+")
+    array[p.offset + 40] = array[p.offset + 40] + 1.0   # row 1, column 32 + 8
+    rc, report = _diff(capsys, live, ck)
+    assert rc == 1
+    assert [(v["name"], v["mismatches"]) for v in report["values"] if not v["equal"]] == [
+        ("big.weight", 1)]
