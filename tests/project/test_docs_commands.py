@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from helpers.docs_commands import (DOC_TMP, all_commands, blocks, doc_paths, localize,
+from helpers.docs_commands import (DOC_TMP, all_commands, blocks, localize,
                                    missing_lines, python_blocks)
 from helpers.paths import ROOT, child_env
 
@@ -38,7 +38,7 @@ CANNOT_RUN = [
      "runs it) or the whole suite (this one: CI's .ci/run is ./quickstart.sh test)"),
     ("docs/benchmarks.md", r"^python tools/bench_all\.py --quick --path /nvme/bench",
      "every benchmark, minutes (--quick) to hours (--full, ~150 GB of disk); "
-     "tests/tools/test_tools_smoke.py runs tools/bench_all.py --tiny"),
+     "tests/tools/test_tools_smoke.py runs tools/bench_all.py --tiny --only io,startup"),
     ("docs/benchmarks.md", r"^python tools/bench_step\.py --path /nvme/bench --world 2 --dim 768",
      "steps of a 134 M and a 1 B model against DeepSpeed (installed apart, see "
      "--deepspeed-python); tests/tools/test_tools_smoke.py runs bench_step small"),
@@ -50,7 +50,7 @@ CANNOT_RUN = [
     ("docs/consolidate.md", r"pip install torch==2\.13\.0 deepspeed",
      "installs DeepSpeed into a new venv (network), then a benchmark against it"),
     ("docs/multi-node.md", r"torchrun --nnodes=N",
-     "several nodes (HOST:PORT, N nodes of G GPUs); tests/integration/test_multinode.py "
+     "several nodes (HOST:PORT, N nodes of G GPUs); tests/integration/test_multi_node.py "
      "runs two simulated nodes"),
     ("docs/optimizer.md", r"tools/bench_step\.py --path /work/bench_tmp",
      "a benchmark (timed steps); tests/tools/test_tools_smoke.py runs it small"),
@@ -61,20 +61,21 @@ CANNOT_RUN = [
      "tests/integration/test_accelerate_fsdp2.py launches them and consolidates"),
     ("docs/plan.md", r"^offload-engine bench disk --path /tmp/pl/bs",
      "a disk benchmark: 20 points x 2 runs over a 256 MiB file, over 10 GiB of timed I/O; "
-     "tests/cli/ runs bench disk --quick"),
+     "tests/cli/test_bench_disk.py runs bench disk --quick"),
     # Python blocks
     ("docs/consolidate.md", r"get_fp32_state_dict_from_zero_checkpoint\(\"checkpoints/\"",
      "two lines of a user's script; tests/integration/test_zero_to_fp32_dropin.py runs "
      "a whole script written against zero_to_fp32 with only its import changed"),
     ("docs/consolidate.md", r"PerExpertSource\(src, family=\"qwen2_moe\", experts=128\)",
-     "needs a checkpoint with 128-expert stacks; tests/offline/test_hf_experts*.py "
+     "needs a checkpoint with 128-expert stacks; tests/offline/test_consolidate_moe.py "
      "runs PerExpertSource"),
     ("docs/migrate.md", r"deepspeed\.initialize",
      "a before/after fragment: DeepSpeed's side needs deepspeed, both a model and a batch"),
     ("docs/migrate.md", r"clip_grad_norm_\(model\.parameters",
      "a fragment of a training loop (model, opt)"),
     ("docs/migrate.md", r"load_state_dict_from_checkpoint\(model, \"ds_checkpoints/\"\)",
-     "a fragment (the user's model and run); tests/integration/test_zero_to_fp32_dropin.py"),
+     "a fragment (the user's model and run); tests/offline/test_consolidate_api.py runs "
+     "load_state_dict_from_checkpoint"),
     ("docs/multi-node.md", r"init_device_mesh\(\"cuda\", \(nodes, per_node\)",
      "a sketch for several nodes of GPUs (nccl); tests/helpers/multinode_train.py is its "
      "CPU form"),
@@ -106,12 +107,13 @@ LOOSE = [
      "the store's manifest records its absolute path: its size depends on the folder"),
 ]
 
-# Python blocks run here, by doc and a regex of the block, with the names they assume.
-EXAMPLE_ARRAY = "oe/ckpt/step-00000007/rank0/master"
+# Python blocks run here, by doc and a regex of the block, with the names they assume: an fp32
+# array for the reader by hand, a bfloat16 one for zarr-python and tensorstore.
+EXAMPLE_ARRAYS = "oe/ckpt/step-00000007/rank0/"
 PYTHON_SNIPPETS = {
     ("docs/format.md", r"meta = json\.load\(open\(os\.path\.join\(A"):
-        f"A = {EXAMPLE_ARRAY!r}\n",
-    ("docs/format.md", r"zarr\.open_array\(A"): f"A = {EXAMPLE_ARRAY!r}\n",
+        f"A = {EXAMPLE_ARRAYS + 'master'!r}\n",
+    ("docs/format.md", r"zarr\.open_array\(A"): f"A = {EXAMPLE_ARRAYS + 'param_bfloat16'!r}\n",
     ("docs/consolidate.md", r"consolidate\(src, \"hf_out/\", max_shard_bytes"): "",
 }
 # made before the snippets run: the array the format snippets read, the "ckpt/" they consolidate
@@ -165,13 +167,11 @@ def test_every_python_block_is_run_or_listed():
 
 
 def test_synopses_are_not_run_as_commands():
-    """A synopsis (placeholders in capitals, options in brackets) is a ```text block: a
-    command block it would be run, and fail."""
-    for doc in doc_paths():
-        for c in all_commands():
-            if c.doc == doc:
-                assert not re.search(r"\[--[a-z-]+", c.text.splitlines()[0]), (
-                    f"{c.where}: a synopsis in a command block; tag it ```text")
+    """A synopsis (options in brackets) is not a command: in a ```bash block or after `$ `
+    it would be run, and fail."""
+    for c in all_commands():
+        assert not re.search(r"\[--[a-z-]+", c.text.splitlines()[0]), (
+            f"{c.where}: a synopsis in a command block; put it in a ```text block")
 
 
 # --- running them ---------------------------------------------------------------------------
