@@ -179,3 +179,19 @@ def test_boxes_of_a_tensor_parallel_store_put_together(tmp_path, capsys):
     assert rc == 1
     assert [(v["name"], v["mismatches"]) for v in report["values"] if not v["equal"]] == [
         ("big.weight", 1)]
+
+
+def test_a_forged_world_size_is_refused_at_once(run, tmp_path, capsys):
+    """A world size of 10**12 in both manifests: the first few missing ranks are named,
+    never all of them counted."""
+    store = tmp_path / "forged"
+    shutil.copytree(run / "four", store)
+    for r in range(2):
+        path = store / f"rank{r}" / "zarr.json"
+        doc = json.loads(path.read_text())
+        doc["attributes"]["world_size"] = 10**12
+        path.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert cli_main(["diff", str(store), str(run / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "rank(s) 2, 3, 4, ... missing" in err and err.count("\n") == 1, err
