@@ -34,11 +34,19 @@ Derived, from medians of the measured steps (slowest rank: a step is synchronous
   fraction of the state that moved, which is also given.
 
 Run twice: fp32 parameters (no masters), and bf16 parameters with ``master_weights=True``
-(state and masters fp32). Optionally, DeepSpeed ZeRO-3 with its Muon and NVMe optimizer
-offload on the same model (``--deepspeed-python``: a venv with deepspeed 0.19.8 that sees
-this repo's torch; see docs/optimizer.md).
+(state and masters fp32). ``--rule muon`` (default) is ZeroMuon's own rule (Muon for hidden
+matrices, AdamW for the rest); ``--rule adamw`` puts every parameter on AdamW. Optionally,
+DeepSpeed on the same model, same data, for each masters setting (``--deepspeed-python``: a
+venv with deepspeed 0.19.8 that sees this repo's torch; see docs/optimizer.md): with
+``--rule muon`` ZeRO-3 with its Muon optimizer and NVMe optimizer offload, with ``--rule
+adamw`` ZeRO-Infinity (AdamW, optimizer state and parameters offloaded to NVMe; the
+configuration most users arrive from). bf16 runs enable DeepSpeed's bf16 (fp32 masters).
+Each side reports step and whole-iteration (forward, backward, step) time, disk bytes per
+rank and peak RSS per rank.
 
     python tools/bench_step.py --path /nvme/bench --world 2 --steps 5 --warmup 1
+    python tools/bench_step.py --path /nvme/bench --dim 768 --layers 12 --rule adamw \\
+        --deepspeed-python /work/dsvenv/bin/python        # ~134 M parameters, all-AdamW
 
 ``--smoke`` runs the same code at tiny sizes (a 2-block model of width 64, one measured
 step, 16 KiB buckets, an 8 MiB fio file) in seconds and prints the same JSON: the test
@@ -118,6 +126,18 @@ def proc_io() -> tuple[int, int]:
         return 0, 0
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (bytes; Linux reports KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def use_muon_rule(rule: str):
+    """ZeroMuon's ``use_muon_rule`` for ``--rule``: its default, or AdamW for every parameter."""
+    from offload_engine.optim import default_use_muon
+    return default_use_muon if rule == "muon" else (lambda name, param: False)
+
+
 def _median(xs):
     return statistics.median(xs) if xs else None
 
@@ -184,7 +204,7 @@ def _rank_main(rank, world, a, out_prefix):
     named = list(model.named_parameters())
     local_elems = sum(p.to_local().numel() for _, p in named)
     hyper = dict(lr=0.02, weight_decay=0.1, adamw=dict(lr=3e-4, weight_decay=0.01),
-                 master_weights=master)
+                 master_weights=master, use_muon_rule=use_muon_rule(a.get("rule", "muon")))
     B = a["bucket_bytes"]
     io = {"io_threads": a["io_threads"], "queue_depth": a["queue_depth"],
           "block_size": a["block_size"], "prefetch_depth": a["prefetch_depth"]}
@@ -246,6 +266,7 @@ def _rank_main(rank, world, a, out_prefix):
             if it >= a["warmup"]:
                 steps[which].append(rec)
     result["steps"] = steps
+    result["peak_rss_bytes"] = peak_rss_bytes()   # both optimizers' pools included
     result["loadavg_end"] = os.getloadavg()
     opt_nvme.close()
     opt_cpu.close()
@@ -326,9 +347,14 @@ def summarize(ranks: list[dict], fio_gbps: float) -> dict:
     bound = max(io_s, cpu_s)
     w = len(ranks)
     muon = ranks[0]["muon_params"]
+    iteration = lambda which: max(_median([s["step_s"] + s["fwd_bwd_s"] for s in r["steps"][which]])
+                                  for r in ranks)
     return {
         "params": ranks[0]["params"], "muon_params": muon, "world": w,
         "nvme_step_s": nvme_s, "cpu_step_s": cpu_s, "compute_s": cpu_s,
+        "nvme_iteration_s": iteration("nvme"), "cpu_iteration_s": iteration("cpu"),
+        "peak_rss_bytes_per_rank": [r.get("peak_rss_bytes") for r in ranks],
+        "moved_bytes_per_rank": [p["moved_bytes"] for p in per_rank],
         "io_bytes_per_step_all_ranks": io_bytes, "io_s": io_s,
         "bound_s": bound, "bound_is": "io" if io_s > cpu_s else "compute",
         "ratio_nvme_over_bound": nvme_s / bound, "goal_ratio": 1.15,
@@ -364,15 +390,23 @@ def worker_result(rc: int | None, out: str, err: str, timeout: float) -> dict:
 
 
 def run_worker(args, master: bool) -> dict:
-    a = {"world": args.world, "threads": args.threads, "master": master, "vocab": args.vocab,
+    a = {"world": args.world, "threads": args.threads, "master": master, "rule": args.rule,
+         "vocab": args.vocab,
          "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
          "steps": args.steps, "warmup": args.warmup, "path": args.path,
          "bucket_bytes": args.bucket_bytes, "extra_buckets": args.extra_buckets,
          "io_threads": args.io_threads, "queue_depth": args.queue_depth,
          "block_size": args.block_size, "prefetch_depth": args.prefetch_depth}
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(a)]
+    return run_tool_worker(os.path.abspath(__file__), a, args.timeout)
+
+
+def run_tool_worker(script: str, a: dict, timeout: float, python: str = sys.executable,
+                    env: dict | None = None) -> dict:
+    """``python script --worker <a as JSON>`` in a session of its own: the worker's result
+    with ``wall_s`` (seconds), or ``{"error", "stderr_tail"}``."""
     t0 = time.perf_counter()
-    out = worker_result(*run_group(cmd, args.timeout), args.timeout)
+    out = worker_result(*run_group([python, script, "--worker", json.dumps(a)], timeout, env),
+                        timeout)
     if "error" not in out:
         out["wall_s"] = time.perf_counter() - t0
     return out
@@ -413,9 +447,13 @@ def main(argv=None) -> int:
     p.add_argument("--fio-runs", type=int, default=3)
     p.add_argument("--masters", choices=("both", "off", "on"), default="both",
                    help="fp32 parameters without masters, bf16 parameters with fp32 masters, or both")
+    p.add_argument("--rule", choices=("muon", "adamw"), default="muon",
+                   help="muon: ZeroMuon's rule (Muon for hidden matrices); adamw: every parameter "
+                        "on AdamW (DeepSpeed's side then runs ZeRO-Infinity AdamW)")
     p.add_argument("--deepspeed-python", default=None,
-                   help="also run DeepSpeed ZeRO-3 Muon with NVMe offload on the same model with "
-                        "this interpreter (a venv with deepspeed 0.19.8 and this repo's torch)")
+                   help="also run DeepSpeed on the same model with this interpreter (a venv with "
+                        "deepspeed 0.19.8 and this repo's torch): ZeRO-3 Muon with NVMe optimizer "
+                        "offload (--rule muon) or ZeRO-Infinity AdamW (--rule adamw)")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
@@ -444,14 +482,19 @@ def main(argv=None) -> int:
             raw = run_worker(args, master)
             results[name] = raw if "error" in raw else {**summarize(raw["ranks"], fio["mixed"]["gbps"]),
                                                         "wall_s": raw["wall_s"]}
-        if args.deepspeed_python:
-            results["deepspeed_zero3_muon_nvme"] = run_deepspeed(args)
+            if args.deepspeed_python:
+                ds = deepspeed_name(args.rule, master)
+                results[ds] = run_deepspeed(args, master)
+                if "error" not in results[ds] and "error" not in results[name]:
+                    results[ds]["ours_over_deepspeed"] = {
+                        "step": results[name]["nvme_step_s"] / results[ds]["step_s"],
+                        "iteration": results[name]["nvme_iteration_s"] / results[ds]["iteration_s"]}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     import torch
     report = {
         "settings": {k: getattr(args, k) for k in (
-            "world", "steps", "warmup", "vocab", "dim", "layers", "batch", "seq", "threads",
+            "world", "rule", "steps", "warmup", "vocab", "dim", "layers", "batch", "seq", "threads",
             "bucket_bytes", "extra_buckets", "io_threads", "queue_depth", "block_size",
             "prefetch_depth")},
         "fio": fio, "results": results,
@@ -475,29 +518,69 @@ def main(argv=None) -> int:
     return 1 if any("error" in r for r in results.values()) else 0
 
 
-def run_deepspeed(args) -> dict:
-    a = {"deepspeed": True, "world": args.world, "threads": args.threads, "vocab": args.vocab,
-         "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
-         "steps": args.steps, "warmup": args.warmup, "path": args.path,
-         "bucket_bytes": args.bucket_bytes, "port": 29600 + os.getpid() % 1000}
-    cmd = [args.deepspeed_python, os.path.abspath(__file__), "--worker", json.dumps(a)]
-    out = worker_result(*run_group(cmd, args.timeout, {**os.environ, "DS_ACCELERATOR": "cpu"}),
-                        args.timeout)
+def deepspeed_name(rule: str, master: bool) -> str:
+    """The ``results`` key of DeepSpeed's run for a rule and a masters setting."""
+    base = "deepspeed_zero3_muon_nvme" if rule == "muon" else "deepspeed_zero_infinity_adamw_nvme"
+    return base + ("_bf16" if master else "")
+
+
+def deepspeed_worker_args(args, master: bool) -> dict:
+    """What one DeepSpeed run needs (``_ds_rank_main``'s ``a``); bench_train_large builds
+    the same dict for its peer."""
+    return {"deepspeed": True, "world": args.world, "threads": args.threads, "vocab": args.vocab,
+            "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+            "steps": args.steps, "warmup": args.warmup, "path": args.path, "rule": args.rule,
+            "bf16": master, "bucket_bytes": args.bucket_bytes, "port": 29600 + os.getpid() % 1000}
+
+
+def run_deepspeed(args, master: bool = False, script: str | None = None) -> dict:
+    """DeepSpeed's run in its own interpreter (``args.deepspeed_python``): its medians, or
+    ``{"error", "stderr_tail"}`` with the exit code and the end of its output."""
+    out = run_tool_worker(script or os.path.abspath(__file__), deepspeed_worker_args(args, master),
+                          args.timeout, args.deepspeed_python,
+                          {**os.environ, "DS_ACCELERATOR": "cpu"})
     if "error" in out:
         return out
     ranks = out["ranks"]
     med = lambda r, k: _median([s[k] for s in r["steps"]])
-    return {"step_s": max(med(r, "step_s") for r in ranks),
+    return {"config": ranks[0]["config"],
+            "step_s": max(med(r, "step_s") for r in ranks),
             "iteration_s": max(med(r, "step_s") + med(r, "fwd_bwd_s") for r in ranks),
             "disk_read_bytes_per_step": [med(r, "disk_read") for r in ranks],
             "disk_write_bytes_per_step": [med(r, "disk_write") for r in ranks],
+            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
             "step_s_runs": [[s["step_s"] for s in r["steps"]] for r in ranks],
             "note": "DeepSpeed orthogonalizes inside backward at the accumulation boundary: "
-                    "compare iteration_s too; disk bytes from /proc/self/io"}
+                    "compare iteration_s too; disk bytes per rank from /proc/self/io, the "
+                    "whole iteration (parameter swaps included)"}
+
+
+def deepspeed_config(a: dict, nvme: str) -> dict:
+    """ZeRO-3 with NVMe optimizer offload: DeepSpeed's Muon (``rule`` muon), or ZeRO-Infinity
+    AdamW (``rule`` adamw: parameters on NVMe too); bf16 with fp32 masters when ``bf16``."""
+    zero = {"stage": 3, "sub_group_size": a["bucket_bytes"] // 4,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
+                                  "buffer_count": 4}}
+    if a.get("rule", "muon") == "muon":
+        optimizer = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
+                                                "adam_lr": 3e-4, "adam_weight_decay": 0.01}}
+        # DeepSpeed refuses Muon with reduce_scatter (stage3.py): its Muon path all-reduces
+        zero["reduce_scatter"] = False
+    else:
+        optimizer = {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False}
+    cfg = {"train_micro_batch_size_per_gpu": a["batch"], "gradient_accumulation_steps": 1,
+           "optimizer": optimizer, "zero_optimization": zero,
+           "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+                   "single_submit": False, "overlap_events": True},
+           "wall_clock_breakdown": False, "steps_per_print": 10 ** 9}
+    if a.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def _ds_rank_main(rank, world, a, out_prefix):
-    """DeepSpeed ZeRO-3 with its Muon optimizer and optimizer state offloaded to NVMe."""
+    """DeepSpeed ZeRO-3 with optimizer state offloaded to NVMe (``deepspeed_config``)."""
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
@@ -507,23 +590,12 @@ def _ds_rank_main(rank, world, a, out_prefix):
     torch.set_num_threads(a["threads"])
     model = build_model(a["vocab"], a["dim"], a["layers"])
     deepspeed.init_distributed(dist_backend="gloo")
-    for n, p in model.named_parameters():
-        p.use_muon = default_use_muon(n, p)
+    if a.get("rule", "muon") == "muon":
+        for n, p in model.named_parameters():
+            p.use_muon = default_use_muon(n, p)
     nvme = os.path.join(a["path"], "deepspeed")
     os.makedirs(nvme, exist_ok=True)
-    ds_cfg = {
-        "train_micro_batch_size_per_gpu": a["batch"], "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1,
-                                                 "adam_lr": 3e-4, "adam_weight_decay": 0.01}},
-        # DeepSpeed refuses Muon with reduce_scatter (stage3.py): its Muon path all-reduces
-        "zero_optimization": {"stage": 3, "sub_group_size": a["bucket_bytes"] // 4,
-                              "reduce_scatter": False,
-                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
-                                                    "pin_memory": False, "buffer_count": 4}},
-        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
-                "single_submit": False, "overlap_events": True},
-        "wall_clock_breakdown": False, "steps_per_print": 10 ** 9,
-    }
+    ds_cfg = deepspeed_config(a, nvme)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_cfg)
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -541,7 +613,8 @@ def _ds_rank_main(rank, world, a, out_prefix):
             steps.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
                           "disk_read": io1[0] - io0[0], "disk_write": io1[1] - io0[1]})
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
-        json.dump({"rank": rank, "steps": steps}, f)
+        json.dump({"rank": rank, "steps": steps, "peak_rss_bytes": peak_rss_bytes(),
+                   "config": ds_cfg}, f)
 
 
 if __name__ == "__main__":

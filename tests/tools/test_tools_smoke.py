@@ -164,13 +164,17 @@ def smoke_bench_startup(tmp_path):
     assert isinstance(out["goal_met"], bool)
 
 
-def _check_bench_step_run(run: dict, masters: bool):
+def _check_bench_step_run(run: dict, masters: bool, rule: str = "muon"):
     assert "error" not in run, run
     assert positive(run["nvme_step_s"], run["cpu_step_s"], run["ratio_nvme_over_bound"],
-                    run["ratio_nvme_over_cpu"], run["io_s"], run["io_bytes_per_step_all_ranks"])
+                    run["ratio_nvme_over_cpu"], run["io_s"], run["io_bytes_per_step_all_ranks"],
+                    run["nvme_iteration_s"], run["cpu_iteration_s"],
+                    *run["peak_rss_bytes_per_rank"], *run["moved_bytes_per_rank"])
     assert run["world"] == len(run["per_rank"]) == 2
+    assert (run["muon_params"] > 0) == (rule == "muon")
     for rank in run["per_rank"]:
-        kinds = {"muon_momentum", "adam_moments"} | ({"masters"} if masters else set())
+        kinds = ({"muon_momentum"} if rule == "muon" else set()) | {"adam_moments"} | (
+            {"masters"} if masters else set())
         assert set(rank["bytes_per_param"]) == kinds
         assert positive(rank["moved_bytes"], rank["bundles"], rank["pool_bytes"])
         assert rank["pool_bytes"] < rank["state_bytes"]   # the state streams, as in a real run
@@ -184,6 +188,28 @@ def smoke_bench_step(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def smoke_bench_step_adamw(tmp_path):
+    """--rule adamw: every parameter on AdamW (no Muon state, no all_to_all)."""
+    out = run_json(["bench_step.py", "--path", str(tmp_path), "--smoke", "--masters", "on",
+                    "--rule", "adamw"], tmp_path)
+    assert out["settings"]["rule"] == "adamw"
+    _check_bench_step_run(out["results"]["bf16_params_fp32_masters"], masters=True, rule="adamw")
+
+
+def smoke_bench_step_deepspeed_adamw(tmp_path):
+    """Ours all-AdamW (bf16 + masters) against DeepSpeed ZeRO-Infinity AdamW (bf16)."""
+    out = run_json(["bench_step.py", "--path", str(tmp_path), "--smoke", "--masters", "on",
+                    "--rule", "adamw", "--deepspeed-python", deepspeed_python()], tmp_path,
+                   timeout=DEEPSPEED_TIMEOUT_S)
+    _check_bench_step_run(out["results"]["bf16_params_fp32_masters"], masters=True, rule="adamw")
+    ds = out["results"]["deepspeed_zero_infinity_adamw_nvme_bf16"]
+    assert "error" not in ds, ds
+    assert ds["config"]["optimizer"]["type"] == "AdamW" and ds["config"]["bf16"]["enabled"]
+    assert ds["config"]["zero_optimization"]["offload_param"]["device"] == "nvme"
+    assert positive(ds["step_s"], ds["iteration_s"], *ds["peak_rss_bytes_per_rank"],
+                    ds["ours_over_deepspeed"]["iteration"])
+
+
 def smoke_bench_step_deepspeed(tmp_path):
     """Ours (fp32, no masters) and DeepSpeed ZeRO-3 Muon with NVMe offload on the same model."""
     out = run_json(["bench_step.py", "--path", str(tmp_path), "--smoke", "--masters", "off",
@@ -193,6 +219,88 @@ def smoke_bench_step_deepspeed(tmp_path):
     ds = out["results"]["deepspeed_zero3_muon_nvme"]
     assert "error" not in ds, ds
     assert positive(ds["step_s"], ds["iteration_s"]) and len(ds["step_s_runs"]) == 2
+
+
+def _check_train_large(out: dict, rule: str, tmp_path):
+    z = out["zeromuon"]
+    assert "error" not in z and "error" not in out["compute_only"], (z, out["compute_only"])
+    assert out["settings"]["rule"] == rule and z["params"] == out["params"]
+    assert positive(z["step_s"], z["iteration_s"], z["compute_only_step_s"], z["io_s"], z["bound_s"],
+                    z["step_over_bound"], z["state_bytes"], z["ram_bytes"],
+                    *z["bytes_moved_per_rank"], *z["formula_bytes_per_rank"],
+                    *z["peak_rss_bytes_per_rank"], out["fio"]["mixed"]["gbps"])
+    # the pool keeps a few buckets between steps: never more than the formula moves
+    assert all(0 < r <= 1 for r in z["moved_over_formula"])
+    assert set(out["compute_only"]["probes"]) == {"1", "2"}
+    assert not os.listdir(tmp_path)
+
+
+def smoke_bench_train_large(tmp_path):
+    """All-AdamW with the state on NVMe (bf16 params, fp32 masters), the in-memory probes and
+    fio; no peer."""
+    out = run_json(["bench_train_large.py", "--path", str(tmp_path), "--smoke", "--rule", "adamw"],
+                   tmp_path)
+    _check_train_large(out, "adamw", tmp_path)
+    assert "deepspeed" not in out
+
+
+def smoke_bench_train_large_deepspeed(tmp_path):
+    """Muon rule, and DeepSpeed ZeRO-3 Muon with NVMe offload on the same model."""
+    out = run_json(["bench_train_large.py", "--path", str(tmp_path), "--smoke", "--rule", "muon",
+                    "--peer", "deepspeed", "--deepspeed-python", deepspeed_python()], tmp_path,
+                   timeout=DEEPSPEED_TIMEOUT_S)
+    _check_train_large(out, "muon", tmp_path)
+    ds = out["deepspeed"]
+    assert "error" not in ds, ds
+    assert ds["config"]["optimizer"]["type"] == "Muon" and positive(ds["step_s"], ds["iteration_s"])
+
+
+def smoke_bench_all(tmp_path):
+    """Two cheap benchmarks of --tiny run end to end: the JSON printed and written, the
+    headline table, the machine and the commit recorded; DeepSpeed left out on purpose."""
+    out_dir = tmp_path / "out"
+    out = run_json(["bench_all.py", "--tiny", "--only", "io,startup", "--deepspeed-python", "",
+                    "--path", str(tmp_path / "work"), "--out", str(out_dir)], tmp_path)
+    assert json.loads((out_dir / "bench_all.json").read_text()) == out
+    assert out["mode"] == "tiny" and len(out["git"]["commit"]) == 40
+    machine = out["machine"]
+    assert positive(machine["cores"], machine["ram_bytes"], machine["disk"]["free_bytes"])
+    assert machine["cpu_model"] and "deepspeed" in out["missing"]
+    assert list(out["benchmarks"]) == ["io", "startup"]
+    for name, entry in out["benchmarks"].items():
+        assert entry["status"] == "ok", entry
+        assert entry["headline"] and "?" not in entry["headline"], entry["headline"]
+        assert positive(entry["wall_s"]) and entry["result"]
+    table = (out_dir / "bench_all.md").read_text()
+    assert "| benchmark | latest result | date |" in table and "Measured: " in table
+    assert all(f"| `{name}`" in table for name in out["benchmarks"])
+
+
+def smoke_bench_all_dry_run(tmp_path):
+    """--full --dry-run prints the plan of issue 32's sizes and runs nothing; without fio on
+    PATH the benchmarks that need it are skipped with why, and without DeepSpeed the peers."""
+    bin_dir = tmp_path / "bin"   # a PATH with git and nothing else: no fio
+    bin_dir.mkdir()
+    (bin_dir / "git").symlink_to(shutil.which("git"))
+    cmd = [sys.executable, str(TOOLS / "bench_all.py"), "--full", "--dry-run", "--path",
+           str(tmp_path / "work"), "--deepspeed-python", ""]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+                          env={**os.environ, "PATH": str(bin_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    plan = out["benchmarks"]
+    assert out["dry_run"] and not (tmp_path / "work" / "io").exists()
+    assert {"io", "store", "step_134m_muon", "step_134m_adamw", "step_1b_muon", "step_1b_adamw",
+            "checkpoint", "consolidate_270m", "import_270m", "consolidate_2700m", "import_2700m",
+            "inspect", "startup", "train_large_adamw", "train_large_muon"} == set(plan)
+    assert "--dim 2048 --layers 17" in plan["step_1b_adamw"]["command"]
+    assert "--params 3000000000.0" in plan["train_large_muon"]["command"]
+    assert "make_deepspeed_checkpoint.py" in plan["consolidate_2700m"]["before"][-1]
+    for name in ("store", "step_134m_muon", "consolidate_270m", "inspect"):
+        assert plan[name]["status"] == "skipped" and "fio" in plan[name]["why"]
+    assert "status" not in plan["io"] and "fio" in plan["io"]["peers_skipped"]
+    assert "deepspeed" in plan["step_1b_muon"]["peers_skipped"]
+    assert "--deepspeed-python" not in plan["step_1b_muon"]["command"]
 
 
 def smoke_bench_store(tmp_path):
@@ -308,6 +416,8 @@ def smoke_regen_cli_help(tmp_path):
 
 # -- the cases: "<tool file>" or "<tool file>[variant]" -> (check, marks) ---------------------
 CASES = {
+    "bench_all.py": (smoke_bench_all, []),
+    "bench_all.py[dry-run]": (smoke_bench_all_dry_run, []),
     "bench_checkpoint.py": (smoke_bench_checkpoint, [needs_fio]),
     "bench_consolidate.py": (smoke_bench_consolidate, [needs_fio, needs_time]),
     "bench_consolidate.py[deepspeed]": (smoke_bench_consolidate_deepspeed,
@@ -317,7 +427,13 @@ CASES = {
     "bench_io.py": (smoke_bench_io, []),
     "bench_startup.py": (smoke_bench_startup, []),
     "bench_step.py": (smoke_bench_step, [needs_fio]),
+    "bench_step.py[adamw]": (smoke_bench_step_adamw, [needs_fio]),
     "bench_step.py[deepspeed]": (smoke_bench_step_deepspeed, [needs_fio, *deepspeed_case]),
+    "bench_step.py[deepspeed-adamw]": (smoke_bench_step_deepspeed_adamw,
+                                       [needs_fio, *deepspeed_case]),
+    "bench_train_large.py": (smoke_bench_train_large, [needs_fio]),
+    "bench_train_large.py[deepspeed]": (smoke_bench_train_large_deepspeed,
+                                        [needs_fio, *deepspeed_case]),
     "bench_store.py": (smoke_bench_store, [needs_fio]),
     "check_layers.py": (smoke_check_layers, []),
     "gpu_check.py": (smoke_gpu_check_py, []),
