@@ -157,13 +157,14 @@ def normalize_real(line: str, work: str) -> str:
     return line.rstrip()
 
 
-NUMBER = re.compile(r"[-+]?\d+(?:[.,]\d+)*(?:e[-+]?\d+)?")
+FRACTION = re.compile(r"[-+]?\d*\.\d+(?:e[-+]?\d+)?")
 
 
 def skeleton(line: str) -> str:
-    """The line with every number a `#` and runs of spaces one: what stays from run to run
-    of a measurement (headers, units, field names)."""
-    return re.sub(r"\s+", " ", NUMBER.sub("#", line)).strip()
+    """The line with every number that has a fraction (a loss, a size in KiB, a rate) a `#`
+    and runs of spaces one: what stays from run to run and machine to machine (headers,
+    units, field names, counts of bytes and steps)."""
+    return re.sub(r"\s+", " ", FRACTION.sub("#", line)).strip()
 
 
 def missing_lines(shown: list[str], real: str, work: str, loose: str | None = None) -> list[str]:
