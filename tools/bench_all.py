@@ -6,7 +6,7 @@ subprocesses at the sizes of a mode, writes one JSON with every figure and the h
 Modes:
 
 - ``--quick``: small sizes, minutes on a laptop: I/O at 1 GiB, a 2 GiB store, the step on a
-  ~25 M decoder, a 27 M DeepSpeed-format checkpoint, a 50 M model for the large-run tool;
+  ~20 M decoder, a 27 M DeepSpeed-format checkpoint, a 50 M model for the large-run tool;
 - ``--full``: the sizes of issue 32: I/O at 8 GiB against fio, zarr-python and tensorstore;
   the store at a state 5% larger than this machine's RAM; the optimizer step at ~134 M and
   ~1 B parameters, W=2, fp32 and bf16 with masters, both rules (ZeroMuon Muon against
@@ -14,7 +14,8 @@ Modes:
   ZeRO-Infinity AdamW); checkpoint stall; consolidate and import of generated DeepSpeed
   checkpoints of 270 M and 2.7 B parameters against the fio bound and zero_to_fp32; inspect;
   plan start-up; a ~3 B decoder whose optimizer state does not fit in RAM (both rules,
-  against DeepSpeed). Hours, and about 150 GB of free disk at ``--path``;
+  against DeepSpeed). Hours, and about 90 GB of free disk at ``--path`` (the 2.7 B
+  checkpoint and its import at once);
 - ``--tiny``: every tool's ``--smoke`` (seconds each; figures mean nothing): checks that the
   whole chain runs.
 
@@ -137,7 +138,8 @@ def plan_tiny() -> list[Bench]:
         Bench("import", "import deepspeed vs the fio bound",
               tool("bench_import.py", "--path", "{work}", "--smoke"), needs=("fio", "time"),
               timeout_s=300),
-        Bench("inspect", "inspect: listing and --stats", tool("bench_inspect.py", "--path", "{work}", "--smoke"),
+        Bench("inspect", "inspect: listing and --stats",
+              tool("bench_inspect.py", "--path", "{work}", "--smoke"),
               needs=("fio",), timeout_s=300),
         Bench("startup", "start-up: plan vs import torch", tool("bench_startup.py", "--smoke"),
               timeout_s=300),
@@ -157,9 +159,9 @@ def plan_quick() -> list[Bench]:
               tool("bench_store.py", "--path", "{work}", "--state", "2GiB", "--cpu-budget", "512MiB",
                    "--bucket", "64MiB", "--steps", 2, *fio),
               needs=("fio",), disk_bytes=3 * GiB, timeout_s=1800),
-        step_bench("25m", 256, 4, "muon", ["--steps", 2, "--warmup", 1, *fio], 1800),
-        step_bench("25m", 256, 4, "adamw", ["--steps", 2, "--warmup", 1, *fio], 1800),
-        Bench("checkpoint", "checkpoint stall, ~25 M model",
+        step_bench("20m", 256, 4, "muon", ["--steps", 2, "--warmup", 1, *fio], 1800),
+        step_bench("20m", 256, 4, "adamw", ["--steps", 2, "--warmup", 1, *fio], 1800),
+        Bench("checkpoint", "checkpoint stall, ~20 M model",
               tool("bench_checkpoint.py", "--path", "{work}", "--dim", 256, "--layers", 4,
                    "--runs", 2, *fio), needs=("fio",), timeout_s=1800),
         *checkpoint_chain("27m", 27e6, [], ["--runs", 2, *fio], 1800),
@@ -438,8 +440,9 @@ def headline(name: str, r: dict) -> str:
         return (f"wall / fio bound {fmt(dig(r, 'throughput', 'wall_over_disk_bound'))}, peak RSS "
                 f"{fmt((dig(r, 'import', 'peak_rss_bytes_median') or 0) / 2**20, '.0f')} MiB")
     if kind == "inspect":
-        return (f"listing {fmt(dig(r, 'list', 'seconds'))} s, {fmt((dig(r, 'list', 'read_bytes') or 0) / 1e6)} MB "
-                f"read; --stats at {fmt(dig(r, 'stats', 'ratio_vs_fio'))}x fio")
+        read_mb = (dig(r, "list", "read_bytes") or 0) / 1e6
+        return (f"listing {fmt(dig(r, 'list', 'seconds'))} s, {fmt(read_mb)} MB read; "
+                f"--stats at {fmt(dig(r, 'stats', 'ratio_vs_fio'))}x fio")
     if kind == "startup":
         return f"plan in {fmt(dig(r, 'over_import_torch', 'plan_llama70b_w64'))}x the time of import torch"
     if kind == "train":
