@@ -533,10 +533,13 @@ def deepspeed_worker_args(args, master: bool) -> dict:
             "bf16": master, "bucket_bytes": args.bucket_bytes, "port": 29600 + os.getpid() % 1000}
 
 
-def run_deepspeed(args, master: bool = False, script: str | None = None) -> dict:
+def run_deepspeed(args, master: bool = False, script: str | None = None,
+                  zero_init: bool = False) -> dict:
     """DeepSpeed's run in its own interpreter (``args.deepspeed_python``): its medians, or
-    ``{"error", "stderr_tail"}`` with the exit code and the end of its output."""
-    out = run_tool_worker(script or os.path.abspath(__file__), deepspeed_worker_args(args, master),
+    ``{"error", "stderr_tail"}`` with the exit code and the end of its output. ``zero_init``
+    builds the model under ``deepspeed.zero.Init`` (partitioned as it is made)."""
+    a = {**deepspeed_worker_args(args, master), "zero_init": zero_init}
+    out = run_tool_worker(script or os.path.abspath(__file__), a,
                           args.timeout, args.deepspeed_python,
                           {**os.environ, "DS_ACCELERATOR": "cpu"})
     if "error" in out:
@@ -584,18 +587,24 @@ def _ds_rank_main(rank, world, a, out_prefix):
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
+    import contextlib
     import torch
     import deepspeed
-    from offload_engine.optim import default_use_muon
+    from offload_engine.optim import use_muon_for
     torch.set_num_threads(a["threads"])
-    model = build_model(a["vocab"], a["dim"], a["layers"])
     deepspeed.init_distributed(dist_backend="gloo")
-    if a.get("rule", "muon") == "muon":
-        for n, p in model.named_parameters():
-            p.use_muon = default_use_muon(n, p)
     nvme = os.path.join(a["path"], "deepspeed")
     os.makedirs(nvme, exist_ok=True)
     ds_cfg = deepspeed_config(a, nvme)
+    # zero_init: each parameter partitioned as it is made, as a model larger than RAM needs
+    # (bench_train_large); a partitioned parameter keeps its real shape in ds_shape
+    building = (deepspeed.zero.Init(config_dict_or_path=ds_cfg) if a.get("zero_init")
+                else contextlib.nullcontext())
+    with building:
+        model = build_model(a["vocab"], a["dim"], a["layers"])
+    if a.get("rule", "muon") == "muon":
+        for n, p in model.named_parameters():
+            p.use_muon = use_muon_for(n, len(getattr(p, "ds_shape", p.shape)))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_cfg)
     gen = torch.Generator().manual_seed(1000 + rank)

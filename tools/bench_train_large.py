@@ -33,8 +33,10 @@ Reported against:
 ``--peer deepspeed`` then runs DeepSpeed ZeRO-3 with NVMe optimizer offload on the same
 model and data in its own interpreter (``--deepspeed-python``, default
 ``$OFFLOAD_ENGINE_DEEPSPEED_PYTHON``): its Muon (MuonWithAuxAdam) for ``--rule muon``,
-ZeRO-Infinity AdamW for ``--rule adamw``, bf16 with fp32 masters, bench_step's DeepSpeed
-worker. Its figures, or exactly how it failed (exit code, last lines of its output).
+ZeRO-Infinity AdamW for ``--rule adamw``, bf16 with fp32 masters, the model built under
+``deepspeed.zero.Init`` (partitioned as it is made, as DeepSpeed asks of models this
+large), bench_step's DeepSpeed worker. Its figures, or exactly how it failed (exit code,
+last lines of its output).
 
     python tools/bench_train_large.py --path /nvme/bench --params 3e9 --rule adamw --steps 3
     python tools/bench_train_large.py --path /nvme/bench --params 3e9 --rule muon --steps 2 \\
@@ -109,15 +111,11 @@ def _rank_main(rank, world, a, out_prefix):
     dist.init_process_group("gloo", init_method=f"file://{out_prefix}.rendezvous", rank=rank,
                             world_size=world)
     torch.set_default_dtype(torch.bfloat16)   # built in bf16: an fp32 copy would not fit
-    model = build_model(a["vocab"], a["hidden"], a["layers"])
+    if world == 1:
+        model = build_model(a["vocab"], a["hidden"], a["layers"])
+    else:
+        model = build_sharded(a, world)
     torch.set_default_dtype(torch.float32)
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
     named = list(model.named_parameters())
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p
     local_elems = sum(local(p).numel() for _, p in named)
@@ -166,6 +164,31 @@ def _rank_main(rank, world, a, out_prefix):
     dist.destroy_process_group()
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(result, f)
+
+
+def build_sharded(a: dict, world: int):
+    """The model under FSDP2 (a block per unit, and the root) without ever holding it whole:
+    made on the meta device, sharded, then each rank's shards allocated and filled (normal
+    0.02, norms 1 and 0: GPT-2's initialization; values do not change the step's cost)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    with torch.device("meta"):
+        model = build_model(a["vocab"], a["hidden"], a["layers"])
+    mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(int(torch.distributed.get_rank()))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            if "norm" in name:
+                local.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                local.normal_(0.0, 0.02, generator=gen)
+    return model
 
 
 def run_ranks(args, home: str, layers: int) -> dict:
@@ -272,7 +295,7 @@ def run_peer(args) -> dict:
                                seq=args.seq, steps=args.steps, warmup=args.warmup,
                                path=args.path, rule=args.rule, bucket_bytes=args.bucket_bytes,
                                deepspeed_python=args.deepspeed_python, timeout=args.timeout)
-    return run_deepspeed(ds, master=True, script=os.path.join(TOOLS, "bench_step.py"))
+    return run_deepspeed(ds, master=True, script=os.path.join(TOOLS, "bench_step.py"), zero_init=True)
 
 
 # -- the driver ---------------------------------------------------------------------------------
