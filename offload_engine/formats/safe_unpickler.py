@@ -32,22 +32,14 @@ import math
 import os
 import pickle
 import reprlib
-import struct
-import zipfile
-import zlib
+import types
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from ..dtypes import BY_NAME, DType
 from . import pt_limits as limits
 from .bounded_unpickler import BoundedUnpickler
-from .errors import FormatError
-
-
-class CheckpointFileError(FormatError):
-    """A file that cannot be read as a checkpoint (missing, truncated, corrupt, unsafe).
-
-    The message starts with the file's path and says what is wrong.
-    """
+from .pt_archive import CheckpointFileError, PtArchive, RecordSpan  # noqa: F401 (re-exported)
 
 
 class UnsafePickleError(CheckpointFileError):
@@ -56,7 +48,7 @@ class UnsafePickleError(CheckpointFileError):
 
 # -- what a tensor becomes ---------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     """A tensor storage record of the archive, never loaded: ``key`` names ``data/<key>``."""
 
@@ -65,15 +57,21 @@ class StorageRef:
     numel: int  # elements of ``dtype``
 
 
-@dataclass(frozen=True)
+# the attributes of a tensor pickled without any (almost all): one shared, read-only mapping,
+# not an empty dict per tensor (a ZeRO-3 model file holds one tensor per parameter)
+_NO_ATTRS: Mapping = types.MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class TensorRef:
-    """A tensor as pickled: a view (offset/shape/stride, in elements) of a ``StorageRef``."""
+    """A tensor as pickled: a view (offset/shape/stride, in elements) of a ``StorageRef``;
+    ``attrs``: the Python attributes pickled with it (DeepSpeed's ``ds_id``), read-only."""
 
     storage: StorageRef
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    attrs: dict = field(default_factory=dict, compare=False, hash=False)
+    attrs: Mapping = field(default_factory=lambda: _NO_ATTRS, compare=False, hash=False)
 
     @property
     def dtype(self) -> DType:
@@ -383,156 +381,8 @@ class RestrictedUnpickler(BoundedUnpickler):
         ref = func(*args)
         if isinstance(ref, TensorRef) and isinstance(state, dict) and state:
             self.charge(_ITEM_BYTES * len(state))
-            ref.attrs.update(state)
+            ref = TensorRef(ref.storage, ref.offset, ref.shape, ref.stride, dict(state))
         return ref
-
-
-# -- the zip container ----------------------------------------------------------------------
-
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
-
-
-@dataclass(frozen=True)
-class RecordSpan:
-    """Where a record's bytes lie in the file: ``[offset, offset + nbytes)``."""
-
-    name: str
-    offset: int
-    nbytes: int
-
-
-_EOCD = struct.Struct("<4sHHHHIIH")         # end of central directory record, 22 bytes
-_EOCD64_LOCATOR = struct.Struct("<4sIQI")    # zip64 end of central directory locator, 20 bytes
-_EOCD64 = struct.Struct("<4sQHHIIQQQQ")      # zip64 end of central directory record, 56 bytes
-_MAX_ZIP_COMMENT = 0xFFFF
-
-
-def _central_directory_size(f, file_size: int) -> tuple[int, int] | None:
-    """(entries, bytes) the zip's central directory declares, read from its end records
-    without parsing the directory; None when no end record is found (``zipfile`` then
-    reports the file as not a zip)."""
-    tail_len = min(file_size, _EOCD.size + _MAX_ZIP_COMMENT)
-    f.seek(file_size - tail_len)
-    tail = f.read(tail_len)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or at + _EOCD.size > len(tail):
-        return None
-    _, _, _, _, entries, cd_bytes, cd_offset, _ = _EOCD.unpack_from(tail, at)
-    if entries == 0xFFFF or cd_bytes == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
-        locator_at = file_size - tail_len + at - _EOCD64_LOCATOR.size
-        if locator_at >= 0:
-            f.seek(locator_at)
-            sig, _, eocd64_at, _ = _EOCD64_LOCATOR.unpack(f.read(_EOCD64_LOCATOR.size))
-            if sig == b"PK\x06\x07" and eocd64_at + _EOCD64.size <= file_size:
-                f.seek(eocd64_at)
-                fields = _EOCD64.unpack(f.read(_EOCD64.size))
-                if fields[0] == b"PK\x06\x06":
-                    entries, cd_bytes = fields[7], fields[8]
-    return entries, cd_bytes
-
-
-class PtArchive:
-    """The records of one ``torch.save`` zip file, located without reading their data.
-
-    Only the zip's end records, its central directory and, per record, its 30-byte local
-    header are read. The directory's size is checked (``pt_limits.MAX_RECORDS``,
-    ``MAX_CENTRAL_DIRECTORY``) before ``zipfile`` parses it, and no record is ever
-    decompressed (torch.save stores every record).
-    """
-
-    def __init__(self, path: str):
-        self.path = os.fspath(path)
-        try:
-            with open(self.path, "rb") as f:
-                self.size = os.fstat(f.fileno()).st_size
-                declared = _central_directory_size(f, self.size)
-                if declared is not None:
-                    entries, cd_bytes = declared
-                    if entries > limits.MAX_RECORDS or cd_bytes > limits.MAX_CENTRAL_DIRECTORY:
-                        raise CheckpointFileError(
-                            f"{self.path}: zip directory of {entries} records ({cd_bytes} bytes); "
-                            f"at most {limits.MAX_RECORDS} records and "
-                            f"{limits.MAX_CENTRAL_DIRECTORY} bytes are read")
-                with zipfile.ZipFile(f) as zf:
-                    infos = zf.infolist()
-                if len(infos) > limits.MAX_RECORDS:
-                    raise CheckpointFileError(f"{self.path}: zip directory of {len(infos)} records; "
-                                              f"at most {limits.MAX_RECORDS} are read")
-        except FileNotFoundError:
-            raise CheckpointFileError(f"{self.path}: file not found") from None
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, struct.error,
-                ValueError) as e:
-            if isinstance(e, CheckpointFileError):
-                raise
-            raise CheckpointFileError(
-                f"{self.path}: not a readable torch checkpoint (truncated or corrupt zip: {e})") from None
-        except OSError as e:
-            raise CheckpointFileError(f"{self.path}: cannot read ({e.strerror or e})") from None
-        pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-        if len(pkl) != 1:
-            raise CheckpointFileError(f"{self.path}: zip holds no single data.pkl; not a torch.save file")
-        self.prefix = pkl[0].filename[: -len("data.pkl")]
-        self._infos = {i.filename: i for i in infos}
-        self._spans: dict[str, RecordSpan] | None = None
-
-    def read_record(self, name: str, max_bytes: int = limits.MAX_SMALL_RECORD) -> bytes:
-        """The bytes of a small record (data.pkl, byteorder), CRC-checked; a record over
-        ``max_bytes`` bytes, or a compressed one, is refused before anything is read."""
-        info = self._infos.get(self.prefix + name)
-        if info is None:
-            raise CheckpointFileError(f"{self.path}: record {name!r} missing")
-        try:
-            with open(self.path, "rb") as f:
-                span = self._locate(f, info)
-                if span.nbytes > max_bytes:
-                    raise CheckpointFileError(
-                        f"{self.path}: record {name!r} has {span.nbytes} bytes; at most "
-                        f"{max_bytes} are read")
-                f.seek(span.offset)
-                data = f.read(span.nbytes)
-        except OSError as e:
-            raise CheckpointFileError(f"{self.path}: record {name!r} unreadable ({e.strerror or e})") from None
-        if len(data) != span.nbytes or zlib.crc32(data) != info.CRC:
-            raise CheckpointFileError(f"{self.path}: record {name!r} is corrupt (its CRC-32 does "
-                                      f"not match; truncated or altered file)")
-        return data
-
-    def storage_spans(self) -> dict[str, RecordSpan]:
-        """Every ``data/<key>`` record's byte span, by storage key."""
-        if self._spans is None:
-            spans = {}
-            with open(self.path, "rb") as f:
-                for fname, info in self._infos.items():
-                    if not fname.startswith(self.prefix + "data/"):
-                        continue
-                    key = fname[len(self.prefix) + len("data/"):]
-                    spans[key] = self._locate(f, info)
-            self._spans = spans
-        return self._spans
-
-    def record_span(self, key: str) -> RecordSpan:
-        span = self.storage_spans().get(key)
-        if span is None:
-            raise CheckpointFileError(f"{self.path}: storage record data/{key} missing")
-        return span
-
-    def _locate(self, f, info: zipfile.ZipInfo) -> RecordSpan:
-        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise CheckpointFileError(f"{self.path}: record {info.filename} is compressed; "
-                                      f"torch.save never compresses (not a torch checkpoint?)")
-        f.seek(info.header_offset)
-        raw = f.read(_LOCAL_HEADER.size)
-        if len(raw) < _LOCAL_HEADER.size or raw[:4] != b"PK\x03\x04":
-            raise CheckpointFileError(f"{self.path}: bad zip local header for {info.filename} "
-                                      f"at byte {info.header_offset} (corrupt file)")
-        fields = _LOCAL_HEADER.unpack(raw)
-        name_len, extra_len = fields[9], fields[10]
-        offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if offset + info.file_size > self.size:
-            raise CheckpointFileError(
-                f"{self.path}: record {info.filename} ends at byte {offset + info.file_size} "
-                f"but the file has {self.size} bytes (truncated)")
-        return RecordSpan(info.filename, offset, info.file_size)
 
 
 @dataclass

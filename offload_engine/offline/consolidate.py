@@ -54,7 +54,7 @@ from ..errors import InputError
 OUTPUT_DTYPES = ("fp32", "bf16", "fp16")  # what float tensors may be written as (dtypes names)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Written:
     """A tensor as consolidate reads it: the state it writes and that state's dtype."""
 
@@ -97,7 +97,7 @@ def output_dtype(info, requested) -> DType:
 
 # -- windows ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WindowPiece:
     """Elements ``[start, start + count)`` of tensor ``info``, at byte ``out_offset`` of a window."""
 
@@ -121,19 +121,28 @@ class Window:
     header: bytes = b""  # bytes of the file's header at the start of the window
 
 
+# Most tensor pieces in one window. Each piece costs a few Python objects on its way to the
+# reader (a request, the reads of its shards, their buffer views: about 1 KB), so a 64 MiB
+# window of 1 KB expert tensors would hold 65,536 of them, several windows at once; with
+# this cap a window of small tensors ends early (on a 4096-byte boundary) instead, and
+# memory stays flat in the number of tensors.
+MAX_WINDOW_PIECES = 4096
+
+
 def _stage_size(chunk_bytes: int) -> int:
     return -(-chunk_bytes // 8) * 8  # each staged chunk starts 8-byte aligned
 
 
 def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mapping[str, Written],
-                 window_bytes: int) -> Iterator[Window]:
+                 window_bytes: int, max_pieces: int = MAX_WINDOW_PIECES) -> Iterator[Window]:
     """Cut every file into windows of at most ``window_bytes`` output bytes and at most
     ``window_bytes`` staging bytes (source dtype, for chunks that are cast). The first
     window of a file starts at byte 0 with the header; where only the output bytes limit
     a window, the next one starts at a multiple of ``window_bytes``, so with a
     ``window_bytes`` that is a multiple of 4096 every window but a file's last can be
-    written with O_DIRECT. (A window the staging limit closes early ends at a 4096-byte
-    boundary where it can, for the same reason.)"""
+    written with O_DIRECT. A window the staging limit or ``max_pieces`` closes early
+    ends at a 4096-byte boundary where it can, for the same reason (past ``max_pieces``,
+    pieces too small to reach the next boundary are still added, a page's worth at most)."""
     for plan, path in zip(plans, paths):
         head, pos = plan.header, 0
         while len(head) - pos > window_bytes:  # a header larger than a window (many tensors)
@@ -162,6 +171,13 @@ def iter_windows(plans: Sequence[ShardPlan], paths: Sequence[str], infos: Mappin
                     aligned = (end // 4096 * 4096 - win.file_offset - win.nbytes) // out_size
                     take = aligned if aligned > 0 else take
                     full = True
+                elif len(win.pieces) + 1 >= max_pieces:
+                    # enough pieces: end the window on the first 4096-byte boundary this
+                    # chunk reaches (none reached: take it whole and look again)
+                    end = win.file_offset + win.nbytes + take * out_size
+                    aligned = (end // 4096 * 4096 - win.file_offset - win.nbytes) // out_size
+                    if aligned > 0:
+                        take, full = aligned, True
                 win.pieces.append(WindowPiece(info, out_dtype, done, take, win.nbytes))
                 win.nbytes += take * out_size
                 if cast:

@@ -137,7 +137,6 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
             param_dtype = as_dtype("bfloat16")
         plans, disagreements, notes = plan_tensors(src.tensors(), src.optimizer, param_dtype,
                                                    src.tag_dir)
-        dtypes = {(t.name, s): m.dtype for t in src.tensors() for s, m in t.states.items()}
         run_state = {k: _plain(v) for k, v in src.run_state.items()}
         if src.run_state.get("lr_scheduler") is not None and run_state["lr_scheduler"] is None:
             notes.append("the LR scheduler's state holds values that are not plain data; "
@@ -154,14 +153,28 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
                          f"{sum(src.experts.values())} experts, imported under DeepSpeed's names "
                          f"(native MoE: one tensor per expert, global ids; AutoEP: grouped)")
 
-        def read(plan: TensorPlan, key: str, lo: int, n: int):
+        def read(pieces: list):
+            """One job's pieces (all of one array, so of one dtype), read in one batch into
+            one tensor; a piece stored in another dtype (the fp32 master of a bf16
+            ``param``) through its own buffer, cast as torch casts."""
             import torch
 
-            state = next(s for s in plan.states if s.key == key)
-            stored = dtypes[(plan.name, state.source)]
-            buf = torch.empty(n, dtype=stored.torch)
-            src.read([ReadRequest(plan.name, lo, buf, state.source)])
-            return buf if stored == state.dtype else buf.to(state.dtype.torch)
+            states = [next(s for s in plan.states if s.key == key) for plan, key, _, _ in pieces]
+            out = torch.empty(sum(p[3] for p in pieces), dtype=states[0].dtype.torch)
+            requests, casts, at = [], [], 0
+            for (plan, _, lo, n), state in zip(pieces, states):
+                stored = src.tensor(plan.name).states[state.source].dtype
+                dest = out[at:at + n]
+                if stored != state.dtype:
+                    staged = torch.empty(n, dtype=stored.torch)
+                    casts.append((dest, staged))
+                    dest = staged
+                requests.append(ReadRequest(plan.name, lo, dest, state.source))
+                at += n
+            src.read(requests)
+            for dest, staged in casts:
+                dest.copy_(staged)
+            return out
 
         tied = _tied(src.aliases(), plans)
         attrs = {IMPORTED: imported, **({"aliases": tied} if tied else {})}

@@ -17,6 +17,7 @@ decides, per parameter, whether it resumes under Muon or AdamW:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ..dtypes import DType, FLOAT32, dtype as as_dtype
@@ -27,7 +28,7 @@ from ..optim.param_rules import use_muon_for
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class StatePlan:
     """Our state ``key`` is DeepSpeed's state ``source`` of the same tensor, written as
     ``dtype`` (a cast only where ``param`` narrows the fp32 master to the model's dtype)."""
@@ -37,7 +38,7 @@ class StatePlan:
     dtype: DType
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorPlan:
     """One tensor of the imported generation."""
 
@@ -69,6 +70,13 @@ def _label(muon: bool) -> str:
     return "muon" if muon else "adamw"
 
 
+@functools.lru_cache(maxsize=None)
+def _state(key: str, source: str, dtype: DType) -> StatePlan:
+    """One StatePlan per (key, source, dtype), shared by every tensor (frozen: 100,000
+    experts then hold a few, not 300,000)."""
+    return StatePlan(key, source, dtype)
+
+
 def recorded_use_muon(meta: TensorMeta, optimizer: str | None) -> bool | None:
     """Whether the DeepSpeed run updated ``meta`` with Muon, where the checkpoint says."""
     if "use_muon" in meta.extra:
@@ -94,12 +102,12 @@ def plan_tensors(tensors: list[TensorMeta], optimizer: str | None, param_dtype: 
     for meta in tensors:
         if meta.kind in ("buffer", "frozen"):
             plans.append(TensorPlan(meta.name, meta.shape, meta.dtype, meta.kind, None,
-                                    [StatePlan("param", "param", meta.states["param"].dtype)]))
+                                    [_state("param", "param", meta.states["param"].dtype)]))
             continue
         dtype = as_dtype(param_dtype) if param_dtype is not None else meta.states["master"].dtype
-        states = [StatePlan("param", "master", dtype)]
+        states = [_state("param", "master", dtype)]
         if dtype != FLOAT32:
-            states.append(StatePlan("master_param", "master", FLOAT32))
+            states.append(_state("master_param", "master", FLOAT32))
         recorded = recorded_use_muon(meta, optimizer)
         default = use_muon_for(meta.name, len(meta.shape))
         muon = default if recorded is None else recorded
@@ -113,7 +121,7 @@ def plan_tensors(tensors: list[TensorMeta], optimizer: str | None, param_dtype: 
         wanted = ("momentum_buffer",) if muon else ADAM_STATES
         held = [k for k in wanted if k in meta.states]
         if len(held) == len(wanted):
-            plan.states += [StatePlan(k, k, meta.states[k].dtype) for k in wanted]
+            plan.states += [_state(k, k, meta.states[k].dtype) for k in wanted]
             if not muon:
                 plan.adam_step = meta.extra.get("adam_step")
                 if plan.adam_step is None:

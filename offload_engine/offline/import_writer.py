@@ -34,9 +34,9 @@ from .import_plan import TensorPlan
 
 WINDOW_BYTES = 32 * MiB  # bytes read from the source per window
 
-# read(tensor plan, state key, first element, elements) -> a 1-D CPU torch tensor of the
-# state's dtype
-Reader = Callable[[TensorPlan, str, int, int], object]
+# read(pieces) -> a 1-D CPU torch tensor of one array's dtype holding, back to back, each
+# piece: (tensor plan, state key, first element, elements)
+Reader = Callable[[list], object]
 
 
 @dataclass
@@ -72,7 +72,7 @@ class _ReadAhead:
         self._pending = self._submit(0)
 
     def _submit(self, i: int):
-        return self._pool.submit(self._read, *self._jobs[i]) if i < len(self._jobs) else None
+        return self._pool.submit(self._read, self._jobs[i]) if i < len(self._jobs) else None
 
     def source(self, index: int):
         """The callable the writer calls for job ``index`` (called in job order)."""
@@ -92,9 +92,14 @@ class _ReadAhead:
 
 
 def _rank_layout(plans: list[TensorPlan], rank: int, world: int, window_bytes: int):
-    """This rank's packed arrays, its shard table, and the read jobs in write order."""
+    """This rank's packed arrays, its shard table, and the read jobs in write order: a job
+    is ``(array, first element, pieces)``, the pieces (tensor plan, state key, first
+    element, elements) that fill the next at most ``window_bytes`` of the array. Small
+    tensors share a job (a mixture-of-experts model's 100,000 experts are a few hundred
+    jobs, not a job, a read and a buffer each)."""
     arrays: dict[str, tuple] = {}   # array name -> (dtype, numel)
-    shards, entries = {}, []        # entries: (array, offset, tensor plan, state key, lo, n)
+    shards = {}
+    windows: dict[str, list] = {}   # array name -> its jobs: [first element, pieces, elements]
     for plan in plans:
         held = rows_per_rank(plan, world)
         rows = held[rank]
@@ -111,11 +116,19 @@ def _rank_layout(plans: list[TensorPlan], rank: int, world: int, window_bytes: i
             arrays[name] = (dtype, used + numel)
             where[state.key] = (name, used)
             step = max(1, window_bytes // state.dtype.itemsize)
+            jobs = windows.setdefault(name, [])
             for lo in range(0, numel, step):
-                entries.append((name, used + lo, plan, state.key, first + lo, min(step, numel - lo)))
+                n = min(step, numel - lo)
+                last = jobs[-1] if jobs else None
+                if last is not None and last[0] + last[2] == used + lo and last[2] + n <= step:
+                    last[1].append((plan, state.key, first + lo, n))
+                    last[2] += n
+                else:
+                    jobs.append([used + lo, [(plan, state.key, first + lo, n)], n])
         shards[plan.name] = shard_entry(row_start, rows, numel, where)
-    entries.sort(key=lambda e: (e[0], e[1]))  # the order RankWriter.write_params writes in
-    return arrays, shards, entries
+    # the order RankWriter.write_params writes in: by array, then element
+    jobs = [(name, at, pieces) for name in sorted(windows) for at, pieces, _ in windows[name]]
+    return arrays, shards, jobs
 
 
 def write_generation(out_dir: str, step: int, world: int, plans: list[TensorPlan], read: Reader,
@@ -144,13 +157,16 @@ def _write_generation(out_dir: str, step: int, world: int, plans: list[TensorPla
     written = 0
     try:
         for rank in range(world):
-            arrays, shards, entries = _rank_layout(plans, rank, world, window_bytes)
+            arrays, shards, jobs = _rank_layout(plans, rank, world, window_bytes)
             create_group(os.path.join(staging, rank_group(rank)), {})
             write_shard_table(staging, rank, shards)
-            ahead = _ReadAhead([(e[2], e[3], e[4], e[5]) for e in entries], read)
+            adam_steps = {p.name: p.adam_step for p in plans
+                          if p.adam_step is not None and shards.get(p.name)}
+            del shards  # written: not held while the arrays are
+            ahead = _ReadAhead([pieces for _, _, pieces in jobs], read)
             try:
-                params = [(f"{e[2].name}/{e[3]}", ahead.source(i), e[0], e[1])
-                          for i, e in enumerate(entries)]
+                params = [(_job_label(pieces), ahead.source(i), name, at)
+                          for i, (name, at, pieces) in enumerate(jobs)]
                 writer = RankWriter(staging, rank, arrays, params, {}, chunk_bytes)
                 try:
                     writer.write_params()
@@ -160,8 +176,7 @@ def _write_generation(out_dir: str, step: int, world: int, plans: list[TensorPla
                     raise
             finally:
                 ahead.close()
-            summary["adam_steps"] = {p.name: p.adam_step for p in plans
-                                     if p.adam_step is not None and shards.get(p.name)}
+            summary["adam_steps"] = adam_steps
             report_done(staging, rank, summary)
             written += writer.bytes_written
             if progress:
@@ -173,6 +188,12 @@ def _write_generation(out_dir: str, step: int, world: int, plans: list[TensorPla
         shutil.rmtree(staging, ignore_errors=True)  # ours, never committed: nothing to keep
         raise
     return Written(final, written)
+
+
+def _job_label(pieces: list) -> str:
+    """The tensors a job fills, for messages: the first and, for several, the last."""
+    first = f"{pieces[0][0].name}/{pieces[0][1]}"
+    return first if len(pieces) == 1 else f"{first} .. {pieces[-1][0].name}/{pieces[-1][1]}"
 
 
 def _manifest(plans: list[TensorPlan], step: int, world: int, extra: dict) -> dict:

@@ -29,7 +29,7 @@ class PartitionError(InputError):
     """The partition sizes do not add up to the parameter shapes (wrong or mixed files)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """Elements ``[start, start + count)`` of a tensor are elements
     ``[src_offset, src_offset + count)`` of source tensor ``src``."""

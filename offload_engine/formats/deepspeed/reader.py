@@ -34,7 +34,7 @@ import struct
 from ...dtypes import DType
 from ...io.align import as_byte_view
 from ..errors import FormatError
-from ..pt_limits import MAX_EXTENT, MAX_NDIM
+from ..pt_limits import MAX_EXTENT
 from ..safe_unpickler import CheckpointFileError, PtFile, TensorRef, load_pt, short_repr
 from ..source import ReadRequest, TensorSource, SourceInfo, StateMeta, TensorMeta
 from .files import DeepSpeedLayoutError, check_rank_count, find_optim_files, model_files, resolve_tag_dir
@@ -42,7 +42,9 @@ from .experts import ExpertLayout, expert_layout, find_expert_files
 from .autoep import assemble_experts, autoep_experts, zero3_partitions
 from .partitions import (Piece, PartitionError, fragments_layout, zero3_replica_layout,
                          zero12_momentum_layout, zero12_replica_layout)
-from .scatter_read import ScatterReader, Segment, segment_wants
+from .scatter_read import ScatterReader, Segment
+from .model_states import buffer_names, shape_groups, shared_params, trimmed
+from .segment_table import SegmentTable
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # what the wrapped optimizer keeps per partition element: Adam's moments, and the momentum of
@@ -56,52 +58,6 @@ def _as_int(value, what: str, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DeepSpeedLayoutError(f"{path}: {what} is {short_repr(value)}, expected an integer")
     return value
-
-
-def _shape(value, what: str, path: str) -> tuple[int, ...]:
-    """A shape recorded in the metadata (``param_shapes``, ``frozen_param_shapes``): at most
-    ``pt_limits.MAX_NDIM`` sizes, each an int in [0, 2**63); checked before its product is
-    used (the product of 10,000 huge sizes alone takes minutes)."""
-    if isinstance(value, (tuple, list)) and len(value) <= MAX_NDIM and all(
-            type(d) is int and 0 <= d <= MAX_EXTENT for d in value):
-        return tuple(value)
-    raise DeepSpeedLayoutError(f"{path}: {what} has shape {short_repr(value)}, expected at most "
-                               f"{MAX_NDIM} integers in [0, 2**63)")
-
-
-def _shape_groups(model: PtFile, key: str) -> list[dict[str, tuple[int, ...]]]:
-    """``param_shapes`` (one dict, or a list of them: one per param group) or
-    ``frozen_param_shapes`` (one dict) as a list of {name: shape}, every shape checked."""
-    groups = model.obj.get(key)
-    groups = [groups] if isinstance(groups, dict) else groups
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
-        raise DeepSpeedLayoutError(f"{model.path}: '{key}' is {short_repr(groups)}, expected a dict "
-                                   f"of parameter shapes or a list of them")
-    out = []
-    for g in groups:
-        if not all(isinstance(n, str) for n in g):
-            raise DeepSpeedLayoutError(f"{model.path}: '{key}' has a parameter name that is not a string")
-        out.append({n: _shape(s, f"{key}[{n[:200]!r}]", model.path) for n, s in g.items()})
-    return out
-
-
-def _buffer_names(model: PtFile) -> list[str]:
-    """``buffer_names``: a list of strings (None: no buffers)."""
-    names = model.obj.get("buffer_names") or []
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise DeepSpeedLayoutError(f"{model.path}: 'buffer_names' is {short_repr(names)}, "
-                                   f"expected a list of names")
-    return list(names)
-
-
-def _shared_params(model: PtFile) -> dict[str, str]:
-    """``shared_params``: {alias: owner}, both strings (None: no tied parameters)."""
-    shared = model.obj.get("shared_params") or {}
-    if not isinstance(shared, dict) or not all(
-            isinstance(a, str) and isinstance(o, str) for a, o in shared.items()):
-        raise DeepSpeedLayoutError(f"{model.path}: 'shared_params' is {short_repr(shared)}, "
-                                   f"expected a dict of alias -> owner names")
-    return shared
 
 
 def _paddings(pads, path: str) -> list[list[int]] | None:
@@ -206,7 +162,9 @@ class DeepSpeedSource(TensorSource):
         paths = check_rank_count(optim, self.world_size, first.path)
         self.bf16 = optim.bf16
         self._optims = [first] + [load_pt(p) for p in paths[1:]]
-        self._models = [load_pt(p) for p in model_files(self.tag_dir, self.stage, self.world_size)]
+        # one at a time, each trimmed to what is read of it before the next is loaded
+        self._models = [trimmed(load_pt(p), r, self.stage) for r, p in
+                        enumerate(model_files(self.tag_dir, self.stage, self.world_size))]
         self._files: list[PtFile] = self._optims + self._models
         self._expert_files: list[PtFile] = []  # an MoE run's per-expert model states
         self.experts: dict[str, int] = {}  # an MoE run's layers (module prefix) -> expert count
@@ -214,11 +172,6 @@ class DeepSpeedSource(TensorSource):
             stage = _as_int(_optimizer_state(pt)["zero_stage"], "zero_stage", pt.path)
             if stage != self.stage:
                 raise DeepSpeedLayoutError(f"{pt.path}: ZeRO stage {stage}, but rank 0 has {self.stage}")
-        for model in self._models:
-            if not isinstance(model.obj, dict) or "param_shapes" not in model.obj \
-                    or not isinstance(model.obj.get("module"), dict):
-                raise DeepSpeedLayoutError(f"{model.path}: not a DeepSpeed model states file "
-                                           f"(no 'param_shapes' / 'module')")
         model0 = self._models[0].obj
         version = model0.get("ds_version")
         # shown in summaries: a string as it is, anything else as a bounded repr
@@ -235,8 +188,12 @@ class DeepSpeedSource(TensorSource):
                                        f"only under ZeRO-3")
 
         self._tensors: list[TensorMeta] = []
-        # (tensor, state) -> (segments sorted by start, bytes per element)
-        self._segments: dict[tuple[str, str], tuple[list[Segment], int]] = {}
+        # (tensor, state) -> its segments and bytes per element
+        self._segments = SegmentTable()
+        # equal StateMeta, states and extra dicts shared between tensors (thousands of
+        # experts of one shape): ``_shared``
+        self._interned: dict = {}
+        self._steps: dict = {}  # (file, storage key) -> Adam's step read from it
         self._used: dict[str, list[set[str]]] = {}  # state -> per file, storage keys it reads
         self._forbidden: dict[frozenset, list] = {}
         self._notes: list[str] = []
@@ -245,7 +202,7 @@ class DeepSpeedSource(TensorSource):
         self._add_frozen(model0)
         self._add_trainable(model0)
         names = {t.name for t in self._tensors}
-        shared = _shared_params(self._models[0])
+        shared = shared_params(self._models[0])
         self._aliases = {a: o for a, o in shared.items() if o in names and a not in names}
         # not capped at the file count: the reader cuts long runs into pieces read in parallel
         self._reader = ScatterReader([pt.path for pt in self._files], threads=threads)
@@ -288,8 +245,7 @@ class DeepSpeedSource(TensorSource):
             used[file].add(ref.storage.key)
             rank = file if file < len(self._optims) else file - len(self._optims)
             per_rank[rank] = per_rank.get(rank, 0) + p.count * size
-        segments.sort(key=lambda s: s.start)
-        self._segments[(name, state)] = (segments, size)
+        self._segments.add(name, state, segments, size)
         return dtype, per_rank
 
     def _model_index(self, rank: int) -> int:
@@ -300,15 +256,14 @@ class DeepSpeedSource(TensorSource):
         fragments included: no optimizer partitions them)."""
         dtype, per_rank = self._segments_of(name, "param", pieces, refs, home)
         shape = tuple(int(s) for s in shape)
-        self._tensors.append(TensorMeta(name, shape, dtype, None,
-                                        {"param": StateMeta(dtype, math.prod(shape),
-                                                            {None: sum(per_rank.values())})},
+        state = self._state_meta(dtype, math.prod(shape), {None: sum(per_rank.values())})
+        self._tensors.append(TensorMeta(name, shape, dtype, None, self._shared({"param": state}),
                                         kind=kind))
 
     def _add_buffers(self, model0: dict) -> None:
         module = model0["module"]
         home = self._models[0]
-        for name in _buffer_names(home):
+        for name in buffer_names(home):
             ref = module.get(name)
             if not isinstance(ref, TensorRef):
                 raise DeepSpeedLayoutError(f"{home.path}: buffer {short_repr(name)} missing from 'module'")
@@ -320,7 +275,7 @@ class DeepSpeedSource(TensorSource):
         if shapes is None and self.stage <= 2:
             self._add_frozen_from_module(model0)
             return
-        shapes = {n: shape for g in _shape_groups(self._models[0], "frozen_param_shapes")
+        shapes = {n: shape for g in shape_groups(self._models[0], "frozen_param_shapes")
                   for n, shape in g.items()} if shapes is not None else {}
         for name, shape in shapes.items():
             numel = math.prod(shape)
@@ -341,9 +296,9 @@ class DeepSpeedSource(TensorSource):
         """ZeRO-1 checkpoints record no ``frozen_param_shapes`` (zero_to_fp32 then drops
         frozen parameters). Under ZeRO-1/2 the module state dict holds every parameter whole,
         so a frozen one is an entry that is neither trainable, a buffer, nor a tied alias."""
-        groups = _shape_groups(self._models[0], "param_shapes")
-        skip = {n for g in groups for n in g} | set(_buffer_names(self._models[0])) \
-            | set(_shared_params(self._models[0]))
+        groups = shape_groups(self._models[0], "param_shapes")
+        skip = {n for g in groups for n in g} | set(buffer_names(self._models[0])) \
+            | set(shared_params(self._models[0]))
         home = self._models[0]
         for name, ref in model0["module"].items():
             if name in skip or not isinstance(ref, TensorRef):
@@ -352,7 +307,7 @@ class DeepSpeedSource(TensorSource):
                             {"f": (self._model_index(0), ref)}, home)
 
     def _add_trainable(self, model0: dict) -> None:
-        groups = _shape_groups(self._models[0], "param_shapes")
+        groups = shape_groups(self._models[0], "param_shapes")
         params = [[(n, math.prod(s)) for n, s in g.items()] for g in groups]
         shapes = {n: tuple(int(d) for d in s) for g in groups for n, s in g.items()}
         key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"
@@ -389,6 +344,7 @@ class DeepSpeedSource(TensorSource):
                 layout = {}
                 for name, held in copies.items():  # AutoEP experts: one copy per partition group
                     shapes[name], layout[name] = assemble_experts(name, shapes[name], held, self._models)
+                del copies
                 self.experts = autoep_experts(self._models[0])
                 if self.experts:
                     self._notes.append("AutoEP mixture-of-experts: " + ", ".join(
@@ -442,8 +398,10 @@ class DeepSpeedSource(TensorSource):
             covered = {name: pieces for name, pieces in layouts.get(state, layout).items()
                        if all(p.src in by_src for p in pieces)}
             try:
-                found = {name: self._segments_of(name, state, pieces, by_src, home)
-                         for name, pieces in covered.items()}
+                found = {}
+                for name, pieces in covered.items():
+                    dtype, per_rank = self._segments_of(name, state, pieces, by_src, home)
+                    found[name] = self._state_meta(dtype, math.prod(shapes[name]), per_rank)
             except (DeepSpeedLayoutError, CheckpointFileError) as e:
                 if state == "master":
                     raise
@@ -452,15 +410,16 @@ class DeepSpeedSource(TensorSource):
                 self._forget(state)
                 self._notes.append(f"Adam {state} not readable: {e}")
                 continue
-            for name, (dtype, per_rank) in found.items():
-                states_of[name][state] = StateMeta(dtype, math.prod(shapes[name]), per_rank)
+            for name, meta in found.items():
+                states_of[name][state] = meta
+            del found, covered
         self.optimizer = _optimizer_kind(hyper, all("exp_avg_sq" in s for s in states_of.values()))
         group_of = _group_of_source(hyper)
         for name, pieces in layout.items():
             states = states_of[name]
             kind = "muon" if "momentum_buffer" in states else (
                 self.optimizer or ("adamw" if "exp_avg_sq" in states else None))
-            meta = TensorMeta(name, shapes[name], states["master"].dtype, kind, states)
+            meta = TensorMeta(name, shapes[name], states["master"].dtype, kind, self._shared(states))
             if pieces:  # what the optimizer recorded for this parameter's group
                 src = pieces[0].src
                 group = group_of.get(src[1])
@@ -469,10 +428,11 @@ class DeepSpeedSource(TensorSource):
                 if group is not None:
                     meta.extra["group"] = hyper.index(group)
                 group_state = inner[src[0]].get(src[1])
-                step = _step_value(self._optims[src[0]], group_state.get("step")
-                                   if isinstance(group_state, dict) else None)
+                step = self._step(src[0], group_state.get("step")
+                                  if isinstance(group_state, dict) else None)
                 if step is not None and "exp_avg" in meta.states:
                     meta.extra["adam_step"] = step
+                meta.extra = self._shared(meta.extra)
             self._tensors.append(meta)
 
     def _expert_layout(self, groups: list[dict], osd0: dict) -> ExpertLayout:
@@ -501,9 +461,32 @@ class DeepSpeedSource(TensorSource):
 
     def _forget(self, state: str) -> None:
         """Drop every segment of ``state`` (it could not be mapped for some tensor)."""
-        for key in [k for k in self._segments if k[1] == state]:
-            del self._segments[key]
+        self._segments.forget(state)
         self._used.pop(state, None)
+
+    def _shared(self, mapping: dict) -> dict:
+        """An equal dict made before (a tensor's ``states`` or ``extra``), else ``mapping``:
+        thousands of tensors of one shape then hold one. Nothing changes them once built."""
+        key = ("dict",) + tuple((k, id(v) if isinstance(v, StateMeta) else v)
+                                for k, v in mapping.items())
+        return self._interned.setdefault(key, mapping)
+
+    def _state_meta(self, dtype: DType, numel: int, per_rank: dict) -> StateMeta:
+        """A StateMeta, shared with every equal one."""
+        key = ("state", dtype.name, numel) + tuple(per_rank.items())
+        meta = self._interned.get(key)
+        if meta is None:
+            meta = self._interned[key] = StateMeta(dtype, numel, per_rank)
+        return meta
+
+    def _step(self, rank: int, step) -> float | None:
+        """Adam's step count saved in rank ``rank``'s optimizer file (one read per record)."""
+        key = (rank, step.storage.key) if isinstance(step, TensorRef) else None
+        if key is None:
+            return _step_value(self._optims[rank], step)
+        if key not in self._steps:
+            self._steps[key] = _step_value(self._optims[rank], step)
+        return self._steps[key]
 
     def _forbidden_for(self, states: frozenset) -> list[list[tuple[int, int]]]:
         """Per file, the byte spans of storage records no tensor's ``states`` live in: the
@@ -513,9 +496,9 @@ class DeepSpeedSource(TensorSource):
             spans = []
             for f, pt in enumerate(self._files):
                 used = set().union(*(self._used.get(s, [set()] * len(self._files))[f] for s in states))
-                spans.append(sorted((s.offset, s.offset + s.nbytes)
-                                    for k, s in pt.archive.storage_spans().items()
-                                    if k not in used and s.nbytes))
+                spans.append(sorted((offset, offset + nbytes)
+                                    for k, offset, nbytes in pt.archive.storage_records()
+                                    if k not in used and nbytes))
             self._forbidden[states] = spans
         return spans
 
@@ -533,14 +516,13 @@ class DeepSpeedSource(TensorSource):
         for req in requests:
             name = self._aliases.get(req.name, req.name)
             state = req.state or ("master" if (name, "master") in self._segments else "param")
-            stored = self._segments.get((name, state))
-            if stored is None:
-                if not any(n == name for n, _ in self._segments):
+            found = self._segments.lookup(name, state)
+            if found is None:
+                if not self._segments.has_tensor(name):
                     raise FormatError(f"{self.tag_dir}: no tensor {req.name!r}")
                 raise FormatError(f"{self.tag_dir}: tensor {req.name!r} has no state {state!r}")
-            segments, itemsize = stored
-            wants += segment_wants(segments, req.start, as_byte_view(req.out), itemsize,
-                                   f"{req.name}/{state}")
+            wants += self._segments.wants(found, req.start, as_byte_view(req.out),
+                                          f"{req.name}/{state}")
             states.add(state)
         self._reader.read(wants, self._forbidden_for(frozenset(states)))
 

@@ -19,19 +19,17 @@ import bisect
 import collections
 import concurrent.futures
 import errno
-import operator
 import os
 import threading
 from dataclasses import dataclass
 
 from ...io import FileIOError, TruncatedFileError
 from ...units import MiB
-from ...errors import InputError
 
 _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 
-@dataclass
+@dataclass(slots=True)
 class Want:
     """``len(dest)`` bytes at byte ``offset`` of file number ``file`` go to ``dest``."""
 
@@ -48,32 +46,6 @@ class Segment:
     count: int
     file: int
     offset: int
-
-
-def segment_wants(segments: list[Segment], lo: int, dest: memoryview, itemsize: int,
-                  what: str) -> list[Want]:
-    """The reads that fill ``dest`` (bytes) with elements ``[lo, lo + len(dest) // itemsize)``
-    of a tensor stored as ``segments`` (sorted by ``start``). ValueError naming ``what`` when
-    the range runs past the tensor."""
-    if len(dest) % itemsize:
-        raise InputError(f"{what}: a buffer of {len(dest)} bytes holds no whole number of "
-                         f"{itemsize}-byte elements")
-    hi = lo + len(dest) // itemsize
-    wants = []
-    pos = lo
-    i = max(0, bisect.bisect_right(segments, lo, key=operator.attrgetter("start")) - 1)
-    while pos < hi and i < len(segments):
-        seg = segments[i]
-        i += 1
-        if seg.start + seg.count <= pos:
-            continue
-        take = min(hi, seg.start + seg.count) - pos
-        wants.append(Want(seg.file, seg.offset + (pos - seg.start) * itemsize,
-                          dest[(pos - lo) * itemsize:(pos - lo + take) * itemsize]))
-        pos += take
-    if pos < hi:
-        raise InputError(f"{what}: elements [{lo}, {hi}) are out of range")
-    return wants
 
 
 class ScatterReader:

@@ -301,6 +301,9 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str, boxes_ok: bool
     per_split: dict = {}  # (rows per rank, dtype) -> elements per row of the states using both
     all_ranks = len(ranks) == world and ranks == list(range(world))
     tensors, rows_of, boxes_of = [], {}, {}
+    # equal StateMeta and states dicts are shared between tensors: a mixture-of-experts
+    # checkpoint has 100,000 tensors of a few shapes (nothing changes them once built)
+    shared: dict = {}
     for name, entry in doc.items():
         if type(entry) is not dict:
             raise CheckpointError(f"{where}: tensor {name!r} must be an object")
@@ -345,7 +348,11 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str, boxes_ok: bool
             if known is None:
                 known = known_dtypes[sdtype] = _dtype(sdtype, f"tensor {name!r}, state {state!r},", where)
             per_row = row_numel * known.itemsize
-            states_meta[state] = StateMeta(known, numel, {r: counts[r] * per_row for r in ranks})
+            key = ("state", known.name, numel, per_row, counts)
+            sm = shared.get(key)
+            if sm is None:
+                sm = shared[key] = StateMeta(known, numel, {r: counts[r] * per_row for r in ranks})
+            states_meta[state] = sm
             key = (counts, known)  # elements per row, summed by split and dtype (bounds.py)
             per_split[key] = per_split.get(key, 0) + row_numel
         optimizer = entry.get("optimizer")
@@ -353,6 +360,8 @@ def _parse_tensors(doc, world: int, ranks: list[int], where: str, boxes_ok: bool
             raise CheckpointError(f"{where}: tensor {name!r}: 'optimizer' must be a string")
         kind = ("buffer" if entry.get("buffer") is True
                 else "frozen" if entry.get("frozen") is True else "param")
+        states_key = ("states",) + tuple((k, id(v)) for k, v in states_meta.items())
+        states_meta = shared.setdefault(states_key, states_meta)
         meta = TensorMeta(name, shape, dtype, optimizer, states_meta, kind=kind)
         step = entry.get("adam_step")
         if step is not None:
