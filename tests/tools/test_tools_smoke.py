@@ -141,6 +141,19 @@ def smoke_bench_inspect(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def smoke_bench_many_tensors(tmp_path):
+    out = run_json(["bench_many_tensors.py", "--smoke", "--path", str(tmp_path / "work")],
+                   tmp_path)
+    table = out["by_dtype"]["fp32"]["summary"]
+    assert set(table) == {"consolidate_deepspeed", "import_deepspeed", "inspect_deepspeed",
+                          "inspect_ours", "consolidate_ours"}
+    for row in table.values():
+        assert positive(row["peak_rss_bytes"], row["baseline_peak_rss_bytes"], row["wall_s"])
+        assert isinstance(row["goal_met"], bool) and isinstance(row["bytes_per_tensor"], float)
+    assert isinstance(out["goal_met"], bool) and "wait4" in out["peak_rss_source"]
+    assert sorted(os.listdir(tmp_path / "work")) == []   # checkpoints not kept without --keep
+
+
 def smoke_bench_io(tmp_path):
     """Runs with or without fio (without: its O_DIRECT loop is the baseline)."""
     out = run_json(["bench_io.py", "--path", str(tmp_path), "--smoke"], tmp_path)
@@ -424,6 +437,7 @@ CASES = {
                                         [needs_fio, needs_time, *deepspeed_case]),
     "bench_import.py": (smoke_bench_import, [needs_fio, needs_time]),
     "bench_inspect.py": (smoke_bench_inspect, [needs_fio]),
+    "bench_many_tensors.py": (smoke_bench_many_tensors, []),
     "bench_io.py": (smoke_bench_io, []),
     "bench_startup.py": (smoke_bench_startup, []),
     "bench_step.py": (smoke_bench_step, [needs_fio]),
