@@ -176,6 +176,12 @@ def commit(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int) -> 
     records the checksums of every other metadata file), then make it the committed one:
     remove the reports, fsync, rename ``staging`` to ``final``, fsync, ``latest`` last."""
     create_group(staging, attrs, sealed=True)  # fsyncs ``staging`` after it lands
+    publish(ckpt_dir, staging, final, world)
+
+
+def publish(ckpt_dir: str, staging: str, final: str, world: int) -> None:
+    """Rank 0, once the sealed manifest is in ``staging``: ``commit`` but for writing it
+    (a writer that streams its manifest, ``offline/import_writer.py``, writes it itself)."""
     for r in range(world):
         done = _report(staging, r, DONE)
         try:

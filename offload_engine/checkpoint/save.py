@@ -31,9 +31,9 @@ from .. import dtypes
 from ..io.errors import FileIOError
 from ..layout import create_group
 from ..layout.checkpoint_names import generation_dir_name, staging_path
-from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, box_shard_entry,
-                               rank_group, shard_entry, tensor_entry, tensor_rows,
-                               write_shard_table)
+from ..layout.manifest import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CHUNK_BYTES,
+                               array_name, box_shard_entry, rank_group, shard_entry,
+                               tensor_entry, tensor_rows, write_shard_table)
 from ..layout.metadata_crc import METADATA_KEY, files_crc32c
 from ..optim.state_access import (adam_step, has_state, local_param, saved_parts, saved_rows,
                                   state_arrays, state_dtype, state_offsets)
@@ -51,15 +51,8 @@ from .shared_dir import check_shared, write_marker
 from .writer_lock import StagingClaim, hold_for
 from .supported import check_optimizer
 from ..store.geometry import elems_per_bucket
-from ..units import MiB
 
-CHUNK_BYTES = 64 * MiB          # chunk files of the parameter arrays (bytes)
 COMMIT_TIMEOUT_S = 3600.0       # how long rank 0 waits for the others' parts
-
-
-def array_name(rank: int, key: str, dtype: torch.dtype) -> str:
-    suffix = "" if dtype == torch.float32 else "." + dtypes.dtype(dtype).name
-    return f"{rank_group(rank)}/{key}{suffix}"
 
 
 def _collective() -> tuple[int, int, bool]:

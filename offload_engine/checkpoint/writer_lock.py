@@ -43,7 +43,7 @@ from ..formats.errors import CheckpointError
 from ..io import syscalls
 from ..io.errors import FileIOError
 from ..layout.checkpoint_names import WRITER_LOCK
-from ..optim.zero_muon import CLOSE_CALLBACKS
+from ..optim.close_callbacks import CLOSE_CALLBACKS
 from ..store.lock import LockFileError, _describe_holder
 
 log = logging.getLogger(__name__)

@@ -25,6 +25,8 @@ import math
 import os
 from functools import lru_cache
 
+from .. import dtypes
+from ..units import MiB
 from .group import create_group, read_group
 from .metadata import MetadataError, metadata_path
 
@@ -46,11 +48,22 @@ CHECKPOINT_VERSION = 4
 # 4 also: shards may be boxes, and a rank may hold no arrays (an HSDP replica above the
 # first saves nothing): a version 3 reader would misread a box, and refuses 4 by its number
 BOX_CHECKPOINT_VERSION = CHECKPOINT_VERSION
+# chunk files of a generation's packed arrays (its parameters, and every array an import
+# writes), bytes
+CHUNK_BYTES = 64 * MiB
 
 
 def rank_group(rank: int) -> str:
     """Name of the child group holding rank ``rank``'s arrays and shard table."""
     return f"rank{rank}"
+
+
+def array_name(rank: int, key: str, dtype) -> str:
+    """Name in a generation of rank ``rank``'s array of ``key`` (a state, ``param`` or
+    ``buffer``) in ``dtype`` (a DType, torch dtype or name): ``rank0/exp_avg`` for float32,
+    ``rank0/param.bfloat16`` otherwise."""
+    name = dtypes.dtype(dtype).name
+    return f"{rank_group(rank)}/{key}" + ("" if name == "float32" else "." + name)
 
 
 def shard_table_path(group: str, rank: int) -> str:

@@ -14,6 +14,7 @@ import json
 import os
 import uuid
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from .. import dtypes
 from ..dtypes import DType
@@ -165,22 +166,32 @@ def write_text_atomic(file: str | os.PathLike, text: str) -> None:
     """Replace ``file`` with ``text`` (UTF-8): a temporary file in the same directory,
     fsynced, renamed over ``file``, and the directory fsynced. Any failure (a full disk
     included) is a FileIOError naming ``file``; ``file`` is then untouched."""
-    data = text.encode("utf-8")
+    write_bytes_atomic(file, [text.encode("utf-8")])
+
+
+def write_bytes_atomic(file: str | os.PathLike, chunks: Iterable[bytes]) -> int:
+    """``write_text_atomic`` of the bytes ``chunks`` hold one after the other, each written
+    as it is produced (a manifest too large to hold whole: ``group_stream.py``); returns
+    the bytes written. An error the producer raises leaves ``file`` untouched too."""
+    size, data = 0, b""
     with replacing(file) as tmp:
         op = "open"
         try:
             fd = syscalls.open_fd(tmp, os.O_WRONLY | syscalls.NOFOLLOW | syscalls.CLOEXEC)
             try:
                 op = "write"
-                syscalls.write_all(fd, data, tmp)
+                for data in chunks:
+                    syscalls.write_all(fd, data, tmp)
+                    size += len(data)
                 op = "fsync"
                 syscalls.fsync(fd, tmp)
             finally:
                 os.close(fd)
         except OSError as e:
             whole = op == "write"
-            raise FileIOError(e.errno, op, file, 0 if whole else None,
+            raise FileIOError(e.errno, op, file, size if whole else None,
                               len(data) if whole else None) from e
+    return size
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

@@ -29,8 +29,8 @@ from ..formats.deepspeed import DeepSpeedSource
 from ..formats.deepspeed.files import resolve_tag_dir
 from ..formats.errors import FormatError
 from ..jsonlimits import read_json_file
-from ..formats.source import ReadRequest
 from .import_plan import Disagreement, TensorPlan, plan_tensors
+from ..layout.group_stream import Streamed
 from .import_writer import WINDOW_BYTES, write_generation
 from ..errors import InputError
 
@@ -146,41 +146,19 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
                     "deepspeed_version": _plain(src.ds_version), "zero_stage": src.stage,
                     "world_size": src.world_size, **run_state,
                     "param_groups": _param_groups(src.param_groups),
-                    "disagreements": [asdict(d) for d in disagreements]}
+                    # written one by one (a mixture-of-experts AdamW run disagrees on
+                    # every expert matrix: 100,000 entries)
+                    "disagreements": Streamed.array(map(_record, disagreements))}
         if src.experts:  # DeepSpeed MoE: experts keep DeepSpeed's names (docs/migrate.md)
             imported["experts"] = dict(src.experts)
             notes.append(f"mixture-of-experts: {len(src.experts)} MoE layer(s), "
                          f"{sum(src.experts.values())} experts, imported under DeepSpeed's names "
                          f"(native MoE: one tensor per expert, global ids; AutoEP: grouped)")
 
-        def read(pieces: list):
-            """One job's pieces (all of one array, so of one dtype), read in one batch into
-            one tensor; a piece stored in another dtype (the fp32 master of a bf16
-            ``param``) through its own buffer, cast as torch casts."""
-            import torch
-
-            states = [next(s for s in plan.states if s.key == key) for plan, key, _, _ in pieces]
-            out = torch.empty(sum(p[3] for p in pieces), dtype=states[0].dtype.torch)
-            requests, casts, at = [], [], 0
-            for (plan, _, lo, n), state in zip(pieces, states):
-                stored = src.tensor(plan.name).states[state.source].dtype
-                dest = out[at:at + n]
-                if stored != state.dtype:
-                    staged = torch.empty(n, dtype=stored.torch)
-                    casts.append((dest, staged))
-                    dest = staged
-                requests.append(ReadRequest(plan.name, lo, dest, state.source))
-                at += n
-            src.read(requests)
-            for dest, staged in casts:
-                dest.copy_(staged)
-            return out
-
         tied = _tied(src.aliases(), plans)
         attrs = {IMPORTED: imported, **({"aliases": tied} if tied else {})}
-        written = _one_torch_thread(lambda: write_generation(
-            out, step, world_size, plans, read, attrs,
-            window_bytes=window_bytes, progress=progress))
+        written = write_generation(out, step, world_size, plans, src.read, attrs,
+                                   window_bytes=window_bytes, progress=progress)
         trainable = [p for p in plans if p.kind == "param"]
         return ImportSummary(
             source=src.describe(), generation=written.path, world_size=world_size, step=step,
@@ -191,6 +169,11 @@ def from_deepspeed(ckpt: str, out: str, world_size: int, tag: str | None = None,
             other=[p.name for p in plans if p.kind != "param"],
             disagreements=disagreements, tied=tied, notes=notes, run_state=run_state,
             bytes_written=written.bytes_written, seconds=time.perf_counter() - t0)
+
+
+def _record(d: Disagreement) -> dict:
+    """A disagreement as the manifest records it (``asdict``'s keys, without its copying)."""
+    return {"name": d.name, "deepspeed": d.deepspeed, "default": d.default}
 
 
 def _tied(aliases: dict[str, str], plans: list[TensorPlan]) -> dict[str, str]:
@@ -218,23 +201,6 @@ def disagreement_summary(disagreements: list[Disagreement], most: int = 3) -> li
         lines.append(f"{count} used {deepspeed} in the DeepSpeed run where ZeroMuon's "
                      f"default rule picks {default}; imported as {deepspeed} ({shown})")
     return lines
-
-
-def _one_torch_thread(fn):
-    """Run ``fn`` with torch's intra-op threads at one, then restore the caller's count.
-
-    The import's torch work is copies into the writer's staging blocks and casts, while
-    its I/O threads keep the cores busy; torch's parallel copy then waits for threads the
-    I/O has taken (measured on the 2-vCPU VM under load: a ``torch.cat`` of an 8 MiB block
-    took 35-125 ms with two threads, 1-23 ms with one)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 def imported_state(ckpt_dir: str, tag: str | None = None) -> dict:

@@ -18,7 +18,7 @@ decides, per parameter, whether it resumes under Muon or AdamW:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..dtypes import DType, FLOAT32, dtype as as_dtype
 from ..formats.errors import FormatError
@@ -30,12 +30,14 @@ ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True, slots=True)
 class StatePlan:
-    """Our state ``key`` is DeepSpeed's state ``source`` of the same tensor, written as
-    ``dtype`` (a cast only where ``param`` narrows the fp32 master to the model's dtype)."""
+    """Our state ``key`` is DeepSpeed's state ``source`` of the same tensor, stored there
+    as ``stored`` and written as ``dtype`` (a cast only where ``param`` narrows the fp32
+    master to the model's dtype)."""
 
     key: str
     source: str
     dtype: DType
+    stored: DType
 
 
 @dataclass(slots=True)
@@ -47,13 +49,13 @@ class TensorPlan:
     dtype: DType                      # the model's dtype of this tensor (the table's dtype)
     kind: str                         # "param", "frozen", "buffer"
     optimizer: str | None             # "muon", "adamw", or None (frozen, buffer, no state)
-    states: list[StatePlan] = field(default_factory=list)
+    states: tuple[StatePlan, ...] = ()  # shared by the tensors that have the same (_states)
     adam_step: float | None = None
     recorded: bool | None = None      # DeepSpeed's use of Muon for it (None: not recorded)
     default: bool | None = None       # ZeroMuon's default rule
 
 
-@dataclass
+@dataclass(slots=True)
 class Disagreement:
     """A parameter whose recorded optimizer is not the one ZeroMuon's default rule picks."""
 
@@ -71,10 +73,16 @@ def _label(muon: bool) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _state(key: str, source: str, dtype: DType) -> StatePlan:
-    """One StatePlan per (key, source, dtype), shared by every tensor (frozen: 100,000
-    experts then hold a few, not 300,000)."""
-    return StatePlan(key, source, dtype)
+def _state(key: str, source: str, dtype: DType, stored: DType) -> StatePlan:
+    """One StatePlan per (key, source, dtype, stored), shared by every tensor (frozen:
+    100,000 experts then hold a few, not 300,000)."""
+    return StatePlan(key, source, dtype, stored)
+
+
+@functools.lru_cache(maxsize=None)
+def _states(states: tuple[StatePlan, ...]) -> tuple[StatePlan, ...]:
+    """One tuple per distinct list of states, shared by every tensor that has it."""
+    return states
 
 
 def recorded_use_muon(meta: TensorMeta, optimizer: str | None) -> bool | None:
@@ -101,13 +109,15 @@ def plan_tensors(tensors: list[TensorMeta], optimizer: str | None, param_dtype: 
     plans, disagreements, notes = [], [], []
     for meta in tensors:
         if meta.kind in ("buffer", "frozen"):
+            stored = meta.states["param"].dtype
             plans.append(TensorPlan(meta.name, meta.shape, meta.dtype, meta.kind, None,
-                                    [_state("param", "param", meta.states["param"].dtype)]))
+                                    _states((_state("param", "param", stored, stored),))))
             continue
-        dtype = as_dtype(param_dtype) if param_dtype is not None else meta.states["master"].dtype
-        states = [_state("param", "master", dtype)]
+        master = meta.states["master"].dtype
+        dtype = as_dtype(param_dtype) if param_dtype is not None else master
+        states = [_state("param", "master", dtype, master)]
         if dtype != FLOAT32:
-            states.append(_state("master_param", "master", FLOAT32))
+            states.append(_state("master_param", "master", FLOAT32, master))
         recorded = recorded_use_muon(meta, optimizer)
         default = use_muon_for(meta.name, len(meta.shape))
         muon = default if recorded is None else recorded
@@ -116,12 +126,12 @@ def plan_tensors(tensors: list[TensorMeta], optimizer: str | None, param_dtype: 
         if muon and len(meta.shape) != 2:
             raise FormatError(f"{where}: {meta.name} {list(meta.shape)} was updated by Muon in the "
                               f"DeepSpeed run; ZeroMuon's Muon takes 2-D parameters only")
-        plan = TensorPlan(meta.name, meta.shape, dtype, "param", _label(muon), states,
+        plan = TensorPlan(meta.name, meta.shape, dtype, "param", _label(muon),
                           recorded=recorded, default=default)
         wanted = ("momentum_buffer",) if muon else ADAM_STATES
         held = [k for k in wanted if k in meta.states]
         if len(held) == len(wanted):
-            plan.states += [_state(k, k, meta.states[k].dtype) for k in wanted]
+            states += [_state(k, k, meta.states[k].dtype, meta.states[k].dtype) for k in wanted]
             if not muon:
                 plan.adam_step = meta.extra.get("adam_step")
                 if plan.adam_step is None:
@@ -133,9 +143,10 @@ def plan_tensors(tensors: list[TensorMeta], optimizer: str | None, param_dtype: 
         else:
             # no optimizer state at all: the parameter resumes with fresh state, which the
             # loader allows only when nothing but ``param`` is saved
-            plan.states = [s for s in plan.states if s.key == "param"]
+            states = [s for s in states if s.key == "param"]
             notes.append(f"{meta.name}: no optimizer state in the checkpoint; it resumes with "
                          f"fresh {_label(muon)} state")
+        plan.states = _states(tuple(states))
         plans.append(plan)
     if optimizer == "adam":
         notes.append("the DeepSpeed run used Adam with L2 weight decay (not AdamW); ZeroMuon's "

@@ -26,6 +26,7 @@ from ..layout.manifest import SHARDS
 from ..store import StoreConfig, TieredStore
 from ..store.geometry import array_pool_bytes
 from ..units import PAGE
+from .close_callbacks import CLOSE_CALLBACKS
 from .comm import Exchange, plan_exchange, plan_matrices
 from .experts import report_non_matrices, with_experts
 from .groups import ADAMW_DEFAULTS, MUON_DEFAULTS, fill_defaults, iter_named, split_groups
@@ -50,10 +51,6 @@ from .store_manifest import store_manifest
 from ..errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
-
-# on an optimizer: callables close() runs last, once each (checkpoint/writer_lock.py puts the
-# release of a checkpoint folder's writer lock there; optim knows nothing of checkpoints)
-CLOSE_CALLBACKS = "_oe_close_callbacks"
 
 
 class ZeroMuon(torch.optim.Optimizer):
