@@ -46,7 +46,7 @@ class RankLayout:
         self.plans = plans
         self.rank = rank
         self.world = world
-        self._names: dict[tuple[str, DType], str] = {}
+        self._names: dict[tuple[bool, int], str] = {}
         self.arrays: dict[str, tuple[DType, int]] = {}
         for plan, _row_start, _rows, numel in self._held():
             for state in plan.states:
@@ -56,10 +56,13 @@ class RankLayout:
 
     def array_of(self, plan: TensorPlan, state: StatePlan) -> str:
         """The array that holds ``state`` of ``plan`` on this rank."""
-        key = ("buffer" if plan.kind == "buffer" else state.key, state.dtype)
+        # by the state's identity (StatePlans are shared, import_plan._state): hashing the
+        # dataclasses was a tenth of the writer's time at 100,000 tensors
+        key = (plan.kind == "buffer", id(state))
         name = self._names.get(key)
         if name is None:
-            name = self._names[key] = array_name(self.rank, key[0], state.dtype)
+            kind = "buffer" if plan.kind == "buffer" else state.key
+            name = self._names[key] = array_name(self.rank, kind, state.dtype)
         return name
 
     def _held(self) -> Iterator[tuple[TensorPlan, int, int, int]]:
