@@ -262,14 +262,6 @@ def _commit_as_rank0(ckpt_dir: str, staging: str, final: str, attrs: dict, world
         raise
 
 
-def commit_generation(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int,
-                      timeout_s: float = COMMIT_TIMEOUT_S) -> None:
-    """Rank 0's commit of generation ``final`` once all ``world`` ranks reported done into
-    ``staging``: the commit every save makes, for writers of generations other than
-    ``save_checkpoint`` (offline.import_writer) so that they commit exactly as it does."""
-    _commit_as_rank0(ckpt_dir, staging, final, attrs, world, timeout_s)
-
-
 def _plan(opt, rank: int, chunk_bytes: int, buffers: dict[str, torch.Tensor],
           frozen: list = ()) -> dict:
     """Which arrays this rank writes and where each parameter's part lands in them.
