@@ -28,6 +28,7 @@ from functools import lru_cache
 from .. import dtypes
 from ..units import MiB
 from .group import create_group, read_group
+from .group_entries import iter_attribute_members
 from .metadata import MetadataError, metadata_path
 
 SHARDS = "shards"
@@ -152,6 +153,13 @@ def read_shard_table(group: str, rank: int, crc32c: int | None = None) -> dict:
         raise MetadataError(f"{shard_table_path(group, rank)}: no shard table (a 'shards' "
                             f"object in the attributes of rank {rank}'s group)")
     return table
+
+
+def iter_shard_table(group: str, rank: int, crc32c: int | None = None):
+    """Rank ``rank``'s shard table as ``(tensor, shard)`` pairs parsed one at a time, so a
+    table of 100,000 tensors is never whole in memory; errors as ``read_shard_table``'s,
+    raised as the pairs are read (a corrupt end of the file after its first pairs)."""
+    return iter_attribute_members(os.path.join(group, rank_group(rank)), SHARDS, crc32c)
 
 
 # -- what a group is -------------------------------------------------------------------------------

@@ -14,36 +14,14 @@ tensor.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from helpers.paths import ROOT, child_env
+from helpers.peak_rss import cli_peak_rss, make_many_tensors
 
 SMALL, LARGE = 2_000, 20_000
 ELEMS = 256
 WINDOW = "1MiB"  # blocks of both sizes filled: what grows is per tensor, not the window
 MAX_BYTES_PER_TENSOR = 3072  # measured 1.7 (fp32) and 1.9 KB (bf16); before: 4.8 and 6.0 KB
-
-
-def _make(out: str, tensors: int, dtype: str) -> None:
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_deepspeed_checkpoint.py"),
-                    "--out", out, "--tensors", str(tensors), "--params", str(tensors * ELEMS),
-                    "--world", "2", "--dtype", dtype], check=True, capture_output=True,
-                   timeout=300)
-
-
-def _import_peak_rss(ds: str, out: str) -> int:
-    """Peak RSS (bytes) of ``offload-engine import deepspeed DS OUT --world-size 2``."""
-    proc = subprocess.Popen([sys.executable, "-m", "offload_engine.cli.main", "import",
-                             "deepspeed", ds, out, "--world-size", "2", "--window-size", WINDOW],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, err.decode()[-2000:]
-    return usage.ru_maxrss * 1024
 
 
 @pytest.mark.multiprocess
@@ -52,8 +30,9 @@ def test_import_memory_flat_in_tensor_count(tmp_path, dtype):
     peaks = {}
     for n in (SMALL, LARGE):
         ds = str(tmp_path / f"ds{n}")
-        _make(ds, n, dtype)
-        peaks[n] = _import_peak_rss(ds, str(tmp_path / f"ck{n}"))
+        make_many_tensors(ds, n, ELEMS, dtype)
+        peaks[n] = cli_peak_rss(["import", "deepspeed", ds, str(tmp_path / f"ck{n}"),
+                                 "--world-size", "2", "--window-size", WINDOW])
     per_tensor = (peaks[LARGE] - peaks[SMALL]) / (LARGE - SMALL)
     assert per_tensor < MAX_BYTES_PER_TENSOR, (
         f"import deepspeed ({dtype}): peak RSS grew {per_tensor:.0f} bytes per tensor from "

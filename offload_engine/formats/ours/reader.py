@@ -32,7 +32,7 @@ from ...io.align import as_byte_view
 from ...layout import FlatArray, MetadataError, NodeNotFoundError
 from ...layout.checksums import ChecksumError, mismatch
 from ...layout.box_runs import box_runs, overlap
-from ...layout.manifest import (BOX_CHECKPOINT_VERSION, SHARDS, array_metadata_key, read_shard_table,
+from ...layout.manifest import (BOX_CHECKPOINT_VERSION, SHARDS, array_metadata_key, iter_shard_table,
                                 shard_table_key, shard_table_path)
 from ...layout.member_paths import inside
 from ...layout.metadata_crc import file_crc32c
@@ -186,20 +186,16 @@ class OursSource(TensorSource):
         return CheckpointError(f"{self._table_path(rank)}: rank {rank}'s shard "
                                f"table is missing (rank {rank} missing?)")
 
-    def _read_table(self, rank: int) -> dict:
-        """Rank ``rank``'s shard table, parsed (its crc32c checked where recorded)."""
+    def _read_table(self, rank: int):
+        """Rank ``rank``'s shard table: the inline dict, or its ``(tensor, shard)`` pairs
+        parsed one at a time (its crc32c checked first where recorded)."""
         if self.manifest.inline_shards:
             if not isinstance(self._inline_table, dict):
                 raise CheckpointError(f"{self._table_path(rank)}: no shard table (a "
                                       f"'{SHARDS}' object in the store's attributes)")
             return self._inline_table
         crcs = self.manifest.metadata_crcs
-        try:
-            return read_shard_table(self.group, rank, crcs[shard_table_key(rank)] if crcs else None)
-        except NodeNotFoundError:  # deleted since listing checked it
-            raise self._missing_table(rank) from None
-        except MetadataError as e:
-            raise CheckpointError(str(e)) from None
+        return iter_shard_table(self.group, rank, crcs[shard_table_key(rank)] if crcs else None)
 
     def _missing_array(self, name: str) -> CheckpointError:
         rank = self.manifest.arrays[name].rank
@@ -289,9 +285,12 @@ class OursSource(TensorSource):
             return
         with gc_paused():
             for r in todo:
-                doc = self._read_table(r)
-                tables.add(r, doc, self._table_path(r))
-                del doc
+                try:
+                    tables.add(r, self._read_table(r), self._table_path(r))
+                except NodeNotFoundError:  # deleted since listing checked it
+                    raise self._missing_table(r) from None
+                except MetadataError as e:
+                    raise CheckpointError(str(e)) from None
 
     @_removal_reported
     def placements(self) -> dict:
@@ -299,6 +298,8 @@ class OursSource(TensorSource):
         self._before_data()
         if self._tables is None:
             return self.manifest.placements
+        if self._tables.kept_states is not None:
+            self._tables.keep_all()
         self._add_ranks(self.manifest.ranks)
         return self._tables.all_placements()
 
@@ -306,6 +307,8 @@ class OursSource(TensorSource):
         """The placements of ``t``'s ``state`` covering elements ``[lo, hi)``."""
         if self._tables is None:
             return self.manifest.placements.get((t.name, state), [])
+        if not self._tables.keeps(state):  # a state check_readable did not name: parse again
+            self._tables.keep_all()
         row_numel = math.prod(t.shape[1:]) or 1
         self._add_ranks(self._tables.ranks_for(t.name, lo // row_numel, -(-hi // row_numel)))
         return self._tables.placements(t.name, state)
@@ -340,6 +343,11 @@ class OursSource(TensorSource):
         every array they point into (dtype, numel and chunk count against the manifest):
         a tensor's shape is then backed by arrays whose own metadata declares its size."""
         self._before_data()
+        keys = list(keys)
+        if self._tables is not None and not self._tables.ranks:
+            # keep the placements of the states to be read alone: a consolidation of
+            # masters does not hold the Adam moments' 2 of every 3 (checked all the same)
+            self._tables.keep_only({state for _, state in keys})
         for name, state in keys:
             t = self.tensor(name)
             for p in self._placements_for(t, state, 0, t.numel):

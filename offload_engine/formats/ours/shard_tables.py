@@ -26,6 +26,7 @@ import bisect
 import math
 
 from ...layout.box_runs import first_element
+from ...errors import UsageError
 from ..errors import CheckpointError
 from .bounds import RowSplit
 from .tensor_table import Manifest, Placement
@@ -42,9 +43,15 @@ class ShardTables:
         self._tensors = {t.name: t for t in manifest.tensors}
         self._row_numel = {t.name: math.prod(t.shape[1:]) for t in manifest.tensors}
         self._numels = {n: a.numel for n, a in manifest.arrays.items()}
+        # each placement refers to the manifest's own name string of its array, not to a
+        # copy parsed from every shard entry (200,000 strings at 100,000 tensors, W=2)
+        self._array_names = {n: n for n in manifest.arrays}
         self._dtypes = {n: a.dtype for n, a in manifest.arrays.items()}
         self._placements: dict[tuple[str, str], list] = {}
         self.ranks: set[int] = set()   # ranks added
+        # The states whose placements are kept (None: all). Every state is checked either
+        # way; a reader that needs one state of 100,000 tensors keeps a third of the tuples.
+        self.kept_states: frozenset[str] | None = None
         self._starts: dict[str, list[int] | None] = {}  # tensor -> expected first row per rank
 
     def expected_start(self, name: str, rank: int) -> int:
@@ -81,6 +88,23 @@ class ShardTables:
                 out.append(r)
         return out
 
+    def keep_only(self, states) -> None:
+        """Keep the placements of ``states`` alone from the tables added from now on (the
+        others are still checked). Before any table is added; ``keep_all`` undoes it."""
+        if self.ranks:
+            raise UsageError("ShardTables.keep_only: tables were added already")
+        self.kept_states = frozenset(states)
+
+    def keeps(self, state: str) -> bool:
+        return self.kept_states is None or state in self.kept_states
+
+    def keep_all(self) -> None:
+        """Forget what was added and keep every state from now on (the tables are then
+        added again as reads need them)."""
+        self._placements.clear()
+        self.ranks.clear()
+        self.kept_states = None
+
     def placements(self, name: str, state: str) -> list[Placement]:
         """The placements of ``name``'s ``state`` from the ranks added, sorted by ``dest``."""
         return self._placements.get((name, state), [])
@@ -89,17 +113,40 @@ class ShardTables:
         return self._placements
 
     def add(self, rank: int, doc, where: str) -> None:
-        """Rank ``rank``'s table ``{tensor: shard}``, read from ``where`` (named in errors).
-        The checks run on every shard, so they are written for speed."""
-        if type(doc) is not dict:
+        """Rank ``rank``'s table, read from ``where`` (named in errors): ``{tensor: shard}``
+        or its ``(tensor, shard)`` pairs (parsed one at a time: a table of 100,000 tensors
+        is then never whole in memory). The checks run on every shard, so they are written
+        for speed. On any error nothing of the rank is kept (the tables added before are)."""
+        if type(doc) is dict:
+            doc = doc.items()
+        elif isinstance(doc, (str, bytes, list)) or not hasattr(doc, "__iter__"):
             raise CheckpointError(f"{where}: 'shards' must be an object {{tensor: shard}}")
+        try:
+            self._add(rank, doc, where)
+        except BaseException:
+            self._drop_rank(rank)
+            raise
+        self.ranks.add(rank)
+
+    def _drop_rank(self, rank: int) -> None:
+        for key, acc in list(self._placements.items()):
+            acc[:] = [p for p in acc if p.rank != rank]
+            if not acc:
+                del self._placements[key]
+
+    def _add(self, rank: int, pairs, where: str) -> None:
         tensors, numels, dtypes = self._tensors, self._numels, self._dtypes
         rows_of, placements, boxes_of = self.m.rows, self._placements, self.m.boxes
-        for name, shard in doc.items():
+        kept, array_names = self.kept_states, self._array_names
+        seen: set[str] = set()   # the tensor table's own name strings: a set of references
+        for name, shard in pairs:
             t = tensors.get(name)
             if t is None:
                 raise CheckpointError(f"{where}: tensor {name!r} has a shard on rank {rank} but is "
                                       f"not in the tensor table")
+            if t.name in seen:
+                raise CheckpointError(f"{where}: tensor {name!r} has two shards on rank {rank}")
+            seen.add(t.name)
             if type(shard) is not dict:
                 raise CheckpointError(f"{where}: tensor {name!r}: the shard must be an object")
             box = None
@@ -124,15 +171,16 @@ class ShardTables:
                     raise CheckpointError(f"{where}: tensor {name!r}, rank {rank}, state {state!r}: "
                                           f"array {array!r} holds {dtypes[array]}, the tensor table "
                                           f"says {t.states[state].dtype}")
-                if not numel:
+                if not numel or (kept is not None and state not in kept):
                     continue
                 acc = placements.get((name, state))
                 if acc is None:
                     acc = placements[(name, state)] = []
-                bisect.insort(acc, _new_placement(Placement, (dest, numel, array, offset, rank, box)))
+                bisect.insort(acc, _new_placement(Placement, (dest, numel, array_names[array],
+                                                              offset, rank, box)))
         for t in self.m.tensors:
             n = rows_of[t.name][rank]
-            if n and t.name not in doc:
+            if n and t.name not in seen:
                 if t.name in boxes_of:
                     raise CheckpointError(f"{where}: tensor {t.name!r}: rank {rank}'s box is in "
                                           f"no shard (its shard table has no entry; the tensor "
@@ -141,7 +189,6 @@ class ShardTables:
                 raise CheckpointError(f"{where}: tensor {t.name!r}: rows [{start}, {start + n}) "
                                       f"are in no shard (rank {rank}'s shard table has no entry; "
                                       f"the tensor table gives it {n} rows)")
-        self.ranks.add(rank)
 
     def _rows_of(self, shard: dict, where: str, name: str, rank: int) -> tuple[int, int]:
         """(elements, first element in the tensor) of a shard of rows, checked."""
