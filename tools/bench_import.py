@@ -101,6 +101,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_import: no DeepSpeed checkpoint at {ckpt} "
                          f"(make one: tools/make_ds_checkpoint.py --out {ckpt})")
     beside = None if args.smoke else os.path.dirname(ckpt)   # the fixture's folder stays clean
+    if args.path:
+        os.makedirs(args.path, exist_ok=True)  # as bench_consolidate: a new folder is made
     base = tempfile.mkdtemp(prefix="bench_import.", dir=args.path or beside)
     out = os.path.join(base, "out")
     oe = os.path.join(os.path.dirname(sys.executable), "offload-engine")
