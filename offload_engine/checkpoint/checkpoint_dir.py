@@ -171,17 +171,13 @@ def wait_for_ranks(staging: str, world: int, timeout_s: float) -> list[dict]:
 
 
 # -- the commit -----------------------------------------------------------------------------------
-def commit(ckpt_dir: str, staging: str, final: str, attrs: dict, world: int) -> None:
+def commit(ckpt_dir: str, staging: str, final: str, attrs: dict | None, world: int) -> None:
     """Rank 0: write the generation's manifest ``attrs`` (sealed: it checksums itself, and
-    records the checksums of every other metadata file), then make it the committed one:
-    remove the reports, fsync, rename ``staging`` to ``final``, fsync, ``latest`` last."""
-    create_group(staging, attrs, sealed=True)  # fsyncs ``staging`` after it lands
-    publish(ckpt_dir, staging, final, world)
-
-
-def publish(ckpt_dir: str, staging: str, final: str, world: int) -> None:
-    """Rank 0, once the sealed manifest is in ``staging``: ``commit`` but for writing it
-    (a writer that streams its manifest, ``offline/import_writer.py``, writes it itself)."""
+    records the checksums of every other metadata file; None where the writer streamed the
+    manifest itself, ``offline/import_writer.py``), then make it the committed one: remove
+    the reports, fsync, rename ``staging`` to ``final``, fsync, ``latest`` last."""
+    if attrs is not None:
+        create_group(staging, attrs, sealed=True)  # fsyncs ``staging`` after it lands
     for r in range(world):
         done = _report(staging, r, DONE)
         try:

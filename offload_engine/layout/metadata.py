@@ -162,17 +162,14 @@ def replacing(file: str | os.PathLike):
     fsync_dir(directory)
 
 
-def write_text_atomic(file: str | os.PathLike, text: str) -> None:
-    """Replace ``file`` with ``text`` (UTF-8): a temporary file in the same directory,
-    fsynced, renamed over ``file``, and the directory fsynced. Any failure (a full disk
-    included) is a FileIOError naming ``file``; ``file`` is then untouched."""
-    write_bytes_atomic(file, [text.encode("utf-8")])
-
-
-def write_bytes_atomic(file: str | os.PathLike, chunks: Iterable[bytes]) -> int:
-    """``write_text_atomic`` of the bytes ``chunks`` hold one after the other, each written
-    as it is produced (a manifest too large to hold whole: ``group_stream.py``); returns
-    the bytes written. An error the producer raises leaves ``file`` untouched too."""
+def write_text_atomic(file: str | os.PathLike, text: str | Iterable[bytes]) -> int:
+    """Replace ``file`` with ``text`` (UTF-8), or with the bytes ``text``'s chunks hold one
+    after the other, each written as it is produced (a manifest too large to hold whole:
+    ``group_stream.py``): a temporary file in the same directory, fsynced, renamed over
+    ``file``, and the directory fsynced. Any failure (a full disk included) is a
+    FileIOError naming ``file``; ``file`` is then untouched, also when the producer of the
+    chunks raises. Returns the bytes written."""
+    chunks = [text.encode("utf-8")] if isinstance(text, str) else text
     size, data = 0, b""
     with replacing(file) as tmp:
         op = "open"
@@ -192,6 +189,12 @@ def write_bytes_atomic(file: str | os.PathLike, chunks: Iterable[bytes]) -> int:
             raise FileIOError(e.errno, op, file, size if whole else None,
                               len(data) if whole else None) from e
     return size
+
+
+def write_bytes_atomic(file: str | os.PathLike, chunks: Iterable[bytes]) -> int:
+    """``write_text_atomic`` of byte chunks (the fault-injection site stays that function's,
+    so a full disk is simulated for every metadata file alike)."""
+    return write_text_atomic(file, chunks)
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

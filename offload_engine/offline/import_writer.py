@@ -7,7 +7,7 @@ The generation is byte for byte what ``save_checkpoint`` writes for the same dat
 ``CHUNK_BYTES``, a CRC-32C each) created by the layout's ``FlatArray``, the rank's shard
 table and report; then rank 0's manifest, sealed, and the commit (reports removed, fsync,
 atomic rename of ``<gen>.partial``, ``latest``) by the checkpoint layer's own
-``checkpoint_dir.publish``, so an imported generation is committed as a saved one is.
+``checkpoint_dir.commit``, so an imported generation is committed as a saved one is.
 
 What differs is where the bytes come from and that nothing is held per tensor: the source's
 reads land in the blocks that are written (``import_blocks.py``), and the shard tables and
@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
-from ..checkpoint.checkpoint_dir import prepare_staging, publish, report_done, report_failed
+from ..checkpoint.checkpoint_dir import commit, prepare_staging, report_done, report_failed
 from ..checkpoint.writer_lock import held
 from ..io import AsyncFileIO, round_up
 from ..io.page_cache import sync_tree
@@ -105,7 +105,7 @@ def _write_generation(out_dir: str, step: int, world: int, plans: list[TensorPla
                 progress(rank, written)
         write_group_streamed(staging, _manifest(plans, step, world, extra_attrs, summaries),
                              sealed=True)
-        publish(out_dir, staging, final, world)
+        commit(out_dir, staging, final, None, world)  # the manifest is written (streamed)
     except BaseException as e:
         if blocks is not None:
             blocks.close()

@@ -37,12 +37,12 @@ def main(argv: list[str]) -> int:
     from offload_engine.cli import main as cli
     from offload_engine.offline import import_writer
     ds_ckpt, ckpt, ready, go = argv[1:]
-    commit = import_writer.publish
+    commit = import_writer.commit
 
     def paused_commit(*args, **kwargs):
         hold_until_go(ready, go)
         return commit(*args, **kwargs)
-    import_writer.publish = paused_commit
+    import_writer.commit = paused_commit
     return cli.main(["import", "deepspeed", ds_ckpt, ckpt, "--world-size", "2"])
 
 
