@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
+
 ABSENT = "absent"      # only on its home tier (disk, or never touched)
 READING = "reading"    # a read into a pinned buffer is in flight
 RESIDENT = "resident"  # bytes valid in the pinned buffer
@@ -59,3 +61,16 @@ class Handle:
     _bucket: Bucket
     _released: bool = False
     keep: bool = False
+
+
+def check_acquire_device(dev: torch.device, name: str, home: str, has_gpu_tier: bool) -> None:
+    """Refuse (InputError) lending array ``name`` (homed on ``home``) on ``dev``: only the
+    CPU or a CUDA device, CUDA only with a gpu tier, a GPU-home array only on CUDA."""
+    if dev.type == "cuda" and not has_gpu_tier and not torch.cuda.is_available():
+        raise InputError(f"acquire on {dev}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"acquire on {dev}: only 'cpu' and CUDA devices are supported")
+    if dev.type == "cuda" and not has_gpu_tier:
+        raise InputError(f"acquire of {name} on {dev}: the store has no gpu tier (gpu_budget is 0)")
+    if home == "gpu" and dev.type != "cuda":
+        raise InputError(f"array {name} lives on the GPU; acquire it with a CUDA device")

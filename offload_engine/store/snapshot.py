@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,6 +51,17 @@ def check_can_start(current: "Snapshot | None", held: list) -> None:
     if held:
         raise UsageError(f"snapshot while buckets are held ({held[:3]}...): take it "
                          "between steps, when every handle is released")
+
+
+def wait_out_failed(current: "Snapshot | None", cv: threading.Condition, timeout_s: float) -> None:
+    """(Store lock held.) A snapshot that failed (its save was interrupted by Ctrl-C, its
+    writer closed) claims nothing more and only ends the copies in flight: wait up to
+    ``timeout_s`` for them, so that the next save (a Ctrl-C handler's) is not refused as
+    "still being taken". ``cv.wait`` lets the store lock go meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while (current is not None and current.error is not None and not current.finished.is_set()
+           and time.monotonic() < deadline):
+        cv.wait(0.05)  # polled: a copy settles after its let-go's notify
 
 
 def claim_order(scheduled: list, wanted: list) -> list:
@@ -138,16 +150,33 @@ class Snapshot:
         return chosen
 
     def start(self) -> None:
-        """Copy the buckets on a background thread, ``oe-snapshot``."""
-        threading.Thread(target=self._work, name="oe-snapshot", daemon=True).start()
+        """(Store lock held.) Copy the buckets on a background thread, ``oe-snapshot``.
+
+        A Ctrl-C that ends ``start`` (it may land before the thread exists) fails the
+        snapshot and settles every bucket, so that it counts as finished: a ``close`` or the
+        next snapshot would otherwise wait for a thread that never ran. No bucket can be
+        claimed yet: the thread claims under the store lock, which the caller holds."""
+        try:
+            threading.Thread(target=self._work, name="oe-snapshot", daemon=True).start()
+        except BaseException as e:
+            self.fail(SnapshotInterruptedError(
+                f"snapshot interrupted ({type(e).__name__}) while it started"))
+            self.abandon_unclaimed()
+            raise
 
     def copy(self, bucket, inline: bool) -> None:
         """Hand ``bucket``'s bytes to the sink (it is claimed and marked saving). An inline
         copy runs in the acquire that holds it; the thread's copy holds it itself and lets
-        it go here."""
+        it go here.
+
+        The bucket is let go before it counts as settled: ``finished`` is what a caller
+        waits for before the next snapshot, which refuses one while any bucket is held, so
+        the last bucket's hold must be gone by then (a save right after an async one)."""
+        copied = False
         try:
             tensor = self.store.bytes_of(bucket)
             self.sink(bucket.array.name, bucket.index, bucket.start, tensor)
+            copied = True
         except BaseException as e:  # the claimed bucket must settle, or wait() never ends
             if isinstance(e, Exception):
                 self.fail(e)  # recorded; wait() raises it, the user's acquire goes on
@@ -156,16 +185,17 @@ class Snapshot:
                 self.fail(SnapshotInterruptedError(
                     f"snapshot interrupted ({type(e).__name__}) while copying "
                     f"{bucket.array.name} bucket {bucket.index}"))
-            self.settle(1)
-            if inline and not isinstance(e, Exception):
-                raise
-        else:
-            with self._count_lock:
-                self.copied += 1
-                self.copied_inline += int(inline)
-            self.settle(1)
+                if inline:
+                    raise
         finally:
-            self.store.let_go(bucket, held=not inline)
+            try:
+                self.store.let_go(bucket, held=not inline)
+            finally:
+                if copied:
+                    with self._count_lock:
+                        self.copied += 1
+                        self.copied_inline += int(inline)
+                self.settle(1)
 
     def _work(self) -> None:
         cv = self.store.cv

@@ -25,7 +25,7 @@ import time
 import torch
 
 from ..errors import InputError, UsageError
-from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket, Handle
+from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket, Handle, check_acquire_device
 from .completions import failed, interrupted_start, report_unstarted, started
 from .config import StoreConfig
 from .counters import StatsCounter, StoreStats
@@ -36,7 +36,7 @@ from .errors import for_bucket
 from .policy import Credit, ResidencyPolicy
 from .registry import ArrayRegistry, StoreArray, check_new_array
 from .resources import open_resources
-from .snapshot import Snapshot, SnapshotBuckets, check_can_start, claim_order
+from .snapshot import Snapshot, SnapshotBuckets, check_can_start, claim_order, wait_out_failed
 
 log = logging.getLogger(__name__)
 
@@ -131,22 +131,18 @@ class TieredStore:
         while every buffer is held: PoolExhaustedError after ``acquire_timeout_s``.
         """
         dev = torch.device(device)
-        if dev.type == "cuda" and self.gpu is None and not torch.cuda.is_available():
-            raise InputError(f"acquire on {dev}: CUDA is not available on this machine")
-        if dev.type not in ("cpu", "cuda"):
-            raise InputError(f"acquire on {dev}: only 'cpu' and CUDA devices are supported")
         b, start, stop = self._registry.locate(name, rng)
-        if dev.type == "cuda" and self.gpu is None:
-            raise InputError(f"acquire of {name} on {dev}: the store has no gpu tier (gpu_budget is 0)")
-        if b.array.home == "gpu" and dev.type != "cuda":
-            raise InputError(f"array {name} lives on the GPU; acquire it with a CUDA device")
-        with self._lock:
-            self._check_open()
-            self._policy.note_use(b.key)
-            t0 = time.monotonic()
-            waited = self._hold(b)
-        # whatever ends the acquire from here (an error, Ctrl-C) gives the hold back
+        check_acquire_device(dev, name, b.array.home, has_gpu_tier=self.gpu is not None)
+        # an error or Ctrl-C once the bucket is held gives the hold back; no call comes between
+        # the hold and ``held`` (where a Python signal handler could run)
+        held = False
         try:
+            with self._lock:
+                self._check_open()
+                self._policy.note_use(b.key)
+                t0 = time.monotonic()
+                waited = self._hold(b)
+                held = True
             with self._lock:
                 # copy-on-acquire: a bucket a snapshot still has to copy is copied before use
                 copy_first = self._snapshot is not None and self._snapshot.before_use(b, self._cv)
@@ -166,10 +162,11 @@ class TieredStore:
                     tensor = self.gpu.stage(b)[start - b.start:stop - b.start]
                 return Handle(name, start, stop, dev, tensor, b)
         except BaseException as e:
-            with self._lock:
-                if b.saving == threading.get_ident():  # claimed for a snapshot, not copied
-                    self._snapshot.abandon(b, e)
-                self._unhold(b)
+            if held:
+                with self._lock:
+                    if b.saving == threading.get_ident():  # claimed for a snapshot, not copied
+                        self._snapshot.abandon(b, e)
+                    self._unhold(b)
             raise
 
     def keep(self, name: str, index: int) -> Handle:
@@ -507,6 +504,7 @@ class TieredStore:
         an ``acquire`` that needs the bucket first (store/snapshot.py). One at a time."""
         with self._lock:
             self._check_open()
+            wait_out_failed(self._snapshot, self._cv, self.config.io_timeout_s)
             check_can_start(self._snapshot, sorted(b.key for b in self._resident if b.refs > b.keeps))
             names = list(self._arrays) if arrays is None else arrays
             sched = self._policy.schedule

@@ -128,3 +128,81 @@ def test_wait_returns_only_after_a_copy_by_an_acquire_ends(tmp_path):
         assert other in copied, "wait() returned while an acquire was still copying its bucket"
         user.join()
         assert sorted(i for i in copied if isinstance(i, int)) == [0, 1, 2, 3]
+
+
+def test_a_snapshot_can_start_the_moment_the_previous_one_finished(tmp_path):
+    """A save right after an async save (a Ctrl-C handler's) starts its snapshot as soon as
+    the previous one's ``wait`` returns: the background thread's hold of the last bucket it
+    copied must be gone by then. The let-go is slowed here to widen the window that a
+    settle-before-let-go order left open (CI: "snapshot while buckets are held")."""
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 3 * B // 4)
+        run_steps(s, "m", 1)
+        let_go = s._let_go_after_snapshot
+
+        def slow_let_go(b, held):
+            time.sleep(0.05)
+            let_go(b, held)
+
+        s._let_go_after_snapshot = slow_let_go
+        for _ in range(3):
+            snap = s.snapshot(lambda *a: None)
+            snap.wait(30)
+            assert snap.copied == 3
+        s.snapshot(lambda *a: None).wait(30)  # raised UsageError before the fix
+
+
+def test_a_ctrl_c_while_a_snapshot_starts_leaves_it_finished_and_the_store_closable(
+        tmp_path, monkeypatch):
+    """Ctrl-C may land in ``Thread.start`` before the copying thread exists (an async save
+    interrupted, signal trials): the snapshot must still count as finished, or the handler's
+    save refuses ("still being taken") and ``close`` waits for it for ever."""
+    import offload_engine.store.snapshot as snapshot_module
+
+    class NeverStarts(threading.Thread):
+        def start(self):
+            raise KeyboardInterrupt
+
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 3 * B // 4)
+        run_steps(s, "m", 1)
+        monkeypatch.setattr(snapshot_module.threading, "Thread", NeverStarts)
+        with pytest.raises(KeyboardInterrupt):
+            s.snapshot(lambda *a: None)
+        monkeypatch.undo()
+        copied = []
+        snap = s.snapshot(lambda array, index, start, tensor: copied.append(index))
+        snap.wait(30)
+        assert sorted(copied) == [0, 1, 2]
+    # the with-block's close returned: it waited for no snapshot that never ran
+
+
+def test_the_next_snapshot_waits_for_a_failed_one_to_end_its_copies(tmp_path):
+    """A snapshot that failed (its save interrupted, its writer closed) only ends the copies
+    in flight; the next one (a Ctrl-C handler's save) waits for them instead of being
+    refused as "still being taken"."""
+    with make_store(tmp_path, cpu_budget=4 * B) as s:
+        s.register("m", torch.float32, 3 * B // 4)
+        run_steps(s, "m", 1)
+        worker_busy, release_worker = threading.Event(), threading.Event()
+        held = []
+
+        def failing_sink(array, index, start, tensor):
+            if threading.current_thread().name == "oe-snapshot":
+                held.append(index)
+                worker_busy.set()
+                release_worker.wait(30)        # a copy still in flight when it fails
+            else:
+                raise OSError("the writer was closed")
+
+        first = s.snapshot(failing_sink)
+        assert worker_busy.wait(30)
+        other = next(i for i in range(3) if i not in held)
+        s.release(s.acquire("m", other))       # its inline copy fails the snapshot
+        assert first.error is not None and not first.finished.is_set()
+        threading.Timer(0.3, release_worker.set).start()
+        copied = []
+        s.snapshot(lambda array, index, start, tensor: copied.append(index)).wait(30)
+        assert first.finished.is_set() and sorted(copied) == [0, 1, 2]
+        with pytest.raises(OSError, match="writer was closed"):
+            first.wait(0)
