@@ -381,8 +381,13 @@ def run_group(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[
 
 
 def worker_result(rc: int | None, out: str, err: str, timeout: float) -> dict:
-    """The worker's ``BENCH_RESULT`` object, or ``{"error", "stderr_tail"}``."""
+    """The worker's ``BENCH_RESULT`` object, or ``{"error", "stderr_tail"}``. A worker that
+    printed its figures and then died on its way out (DeepSpeed's AIO threads abort at
+    interpreter exit: SIGABRT) keeps them, with ``exit_after_result`` saying how it ended."""
     line = next((l for l in out.splitlines()[::-1] if l.startswith("BENCH_RESULT ")), None)
+    if rc is not None and rc != 0 and line is not None:
+        return {**json.loads(line[len("BENCH_RESULT "):]), "exit_after_result": {
+            "exit_code": rc, "stderr_tail": (err or "").strip().splitlines()[-5:]}}
     if rc != 0 or line is None:
         why = f"timed out after {timeout} s" if rc is None else f"exit code {rc}"
         return {"error": why, "stderr_tail": (err or out).strip().splitlines()[-20:]}
@@ -555,7 +560,8 @@ def run_deepspeed(args, master: bool = False, script: str | None = None,
             "step_s_runs": [[s["step_s"] for s in r["steps"]] for r in ranks],
             "note": "DeepSpeed orthogonalizes inside backward at the accumulation boundary: "
                     "compare iteration_s too; disk bytes per rank from /proc/self/io, the "
-                    "whole iteration (parameter swaps included)"}
+                    "whole iteration (parameter swaps included)",
+            **({"exit_after_result": out["exit_after_result"]} if "exit_after_result" in out else {})}
 
 
 def deepspeed_config(a: dict, nvme: str) -> dict:

@@ -385,6 +385,8 @@ def main(argv=None) -> int:
                 report["deepspeed"] = {"skipped": f"no interpreter with deepspeed: pass "
                                                   f"--deepspeed-python or set {DEEPSPEED_PYTHON_ENV}"}
             else:
+                # the disk need hold one side's state at a time (36 GB each at 3 B)
+                shutil.rmtree(os.path.join(args.path, "state"), ignore_errors=True)
                 report["deepspeed"] = run_peer(args)
                 ours = report["zeromuon"]
                 if "error" not in report["deepspeed"] and "error" not in ours:

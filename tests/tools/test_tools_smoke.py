@@ -476,3 +476,21 @@ def test_every_tool_has_a_smoke_case():
     covered = {name.split("[")[0] for name in CASES}
     assert tools - covered == set(), "tools without a smoke case"
     assert covered - tools == set(), "smoke cases for tools that are gone"
+
+
+def test_a_peer_that_dies_after_printing_its_figures_keeps_them():
+    """DeepSpeed's AIO threads can abort the interpreter on its way out (SIGABRT) after the
+    worker printed its figures: the benchmark reports them and how the process ended, and
+    a worker that printed nothing is still an error."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_step
+    finally:
+        sys.path.remove(str(TOOLS))
+    out = bench_step.worker_result(-6, 'log\nBENCH_RESULT {"ranks": [1]}\n', "terminate called\nAborted", 60)
+    assert out["ranks"] == [1]
+    assert out["exit_after_result"] == {"exit_code": -6, "stderr_tail": ["terminate called", "Aborted"]}
+    failed = bench_step.worker_result(-6, "log\n", "Aborted", 60)
+    assert failed["error"] == "exit code -6" and failed["stderr_tail"] == ["Aborted"]
+    assert "error" in bench_step.worker_result(None, "", "", 60)  # timed out
+    assert bench_step.worker_result(0, 'BENCH_RESULT {"ranks": [2]}', "", 60) == {"ranks": [2]}
