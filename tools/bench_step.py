@@ -535,7 +535,8 @@ def deepspeed_worker_args(args, master: bool) -> dict:
     return {"deepspeed": True, "world": args.world, "threads": args.threads, "vocab": args.vocab,
             "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
             "steps": args.steps, "warmup": args.warmup, "path": args.path, "rule": args.rule,
-            "bf16": master, "bucket_bytes": args.bucket_bytes, "port": 29600 + os.getpid() % 1000}
+            "bf16": master, "bucket_bytes": args.bucket_bytes, "port": 29600 + os.getpid() % 1000,
+            "offload_params": getattr(args, "deepspeed_offload_params", "nvme")}
 
 
 def run_deepspeed(args, master: bool = False, script: str | None = None,
@@ -566,7 +567,8 @@ def run_deepspeed(args, master: bool = False, script: str | None = None,
 
 def deepspeed_config(a: dict, nvme: str) -> dict:
     """ZeRO-3 with NVMe optimizer offload: DeepSpeed's Muon (``rule`` muon), or ZeRO-Infinity
-    AdamW (``rule`` adamw: parameters on NVMe too); bf16 with fp32 masters when ``bf16``."""
+    AdamW (``rule`` adamw: parameters on NVMe too, unless ``offload_params`` is "none": then
+    they stay in host memory, as ZeroMuon's do); bf16 with fp32 masters when ``bf16``."""
     zero = {"stage": 3, "sub_group_size": a["bucket_bytes"] // 4,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                                   "buffer_count": 4}}
@@ -577,7 +579,8 @@ def deepspeed_config(a: dict, nvme: str) -> dict:
         zero["reduce_scatter"] = False
     else:
         optimizer = {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False}
+        if a.get("offload_params", "nvme") == "nvme":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False}
     cfg = {"train_micro_batch_size_per_gpu": a["batch"], "gradient_accumulation_steps": 1,
            "optimizer": optimizer, "zero_optimization": zero,
            "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,

@@ -33,10 +33,13 @@ Reported against:
 ``--peer deepspeed`` then runs DeepSpeed ZeRO-3 with NVMe optimizer offload on the same
 model and data in its own interpreter (``--deepspeed-python``, default
 ``$OFFLOAD_ENGINE_DEEPSPEED_PYTHON``): its Muon (MuonWithAuxAdam) for ``--rule muon``,
-ZeRO-Infinity AdamW for ``--rule adamw``, bf16 with fp32 masters, the model built under
+its AdamW for ``--rule adamw``, bf16 with fp32 masters, the model built under
 ``deepspeed.zero.Init`` (partitioned as it is made, as DeepSpeed asks of models this
-large), bench_step's DeepSpeed worker. Its figures, or exactly how it failed (exit code,
-last lines of its output).
+large), bench_step's DeepSpeed worker. Its parameters stay in host memory, as ZeroMuon's
+do; ``--deepspeed-offload-params nvme`` puts them on NVMe too (ZeRO-Infinity), which at
+3 B on this machine stops in the first forward ("Not enough buffers 0 for swapping 1",
+its parameter swapper; docs/benchmarks.md). Its figures, or exactly how it failed (exit
+code, last lines of its output).
 
     python tools/bench_train_large.py --path /nvme/bench --params 3e9 --rule adamw --steps 3
     python tools/bench_train_large.py --path /nvme/bench --params 3e9 --rule muon --steps 2 \\
@@ -294,7 +297,8 @@ def run_peer(args) -> dict:
                                dim=args.hidden, layers=args.layers, batch=args.batch,
                                seq=args.seq, steps=args.steps, warmup=args.warmup,
                                path=args.path, rule=args.rule, bucket_bytes=args.bucket_bytes,
-                               deepspeed_python=args.deepspeed_python, timeout=args.timeout)
+                               deepspeed_python=args.deepspeed_python, timeout=args.timeout,
+                               deepspeed_offload_params=args.deepspeed_offload_params)
     return run_deepspeed(ds, master=True, script=os.path.join(TOOLS, "bench_step.py"), zero_init=True)
 
 
@@ -331,6 +335,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer", choices=("none", "deepspeed"), default="none")
     p.add_argument("--deepspeed-python", default=os.environ.get(DEEPSPEED_PYTHON_ENV),
                    help=f"interpreter with deepspeed 0.19.8 (default ${DEEPSPEED_PYTHON_ENV})")
+    p.add_argument("--deepspeed-offload-params", choices=("nvme", "none"), default="none",
+                   help="--rule adamw: DeepSpeed's parameters in host memory as ZeroMuon's "
+                        "(default: optimizer state on NVMe only) or on NVMe too (ZeRO-Infinity)")
     p.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per run")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
