@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Iterator
 
-from .metadata import MetadataError, read_node_bytes
+from .metadata import MetadataError, check_node_fields, read_node_bytes
 from .metadata_crc import check_crc32c
 
 _SPACE = re.compile(r"[ \t\n\r]*")
@@ -121,12 +121,7 @@ def iter_attribute_members(group: str | os.PathLike, key: str, crc32c: int | Non
 
 
 def _check_group_fields(fields: dict, file: str) -> None:
-    """What ``parse_node`` and ``read_group`` check of a group's own fields."""
-    if "zarr_format" not in fields:
-        raise MetadataError(f"{file} has no 'zarr_format' key")
-    if fields["zarr_format"] != 3:
-        raise MetadataError(f"{file} has zarr_format {fields['zarr_format']!r}; only zarr v3 "
-                            f"(zarr_format 3) is supported")
-    if fields.get("node_type") != "group":
-        raise MetadataError(f"{file} has node_type {fields.get('node_type')!r}; expected "
-                            f"a group")
+    """What ``read_group`` checks of a group's own fields (``attributes`` walked apart)."""
+    check_node_fields(fields, file)
+    if fields["node_type"] != "group":
+        raise MetadataError(f"{file} has node_type {fields['node_type']!r}; expected a group")

@@ -85,6 +85,13 @@ def read_node_bytes(node_path: str | os.PathLike, kind: str = "node") -> tuple[s
 def parse_node(raw: bytes, file: str) -> dict:
     """The bytes of ``file`` (a zarr.json) parsed and checked as zarr v3 node metadata."""
     doc = parse_json_object(raw, file, MetadataError)
+    check_node_fields(doc, file)
+    return doc
+
+
+def check_node_fields(doc: dict, file: str) -> None:
+    """MetadataError naming ``file`` unless ``doc``'s own fields are a zarr v3 node's:
+    zarr_format 3, node_type 'array' or 'group', attributes (if any) an object."""
     if "zarr_format" not in doc:
         raise MetadataError(f"{file} has no 'zarr_format' key")
     if doc["zarr_format"] != 3:
@@ -95,7 +102,6 @@ def parse_node(raw: bytes, file: str) -> dict:
                             f"'array' or 'group'")
     if not isinstance(doc.get("attributes", {}), dict):
         raise MetadataError(f"{file}: 'attributes' must be a JSON object")
-    return doc
 
 
 def parse_json_object(raw: bytes, what: str, error: type[Exception]) -> dict:
