@@ -28,3 +28,13 @@ def make_many_tensors(out: str, tensors: int, elems: int, dtype: str = "fp32") -
                     "--out", out, "--tensors", str(tensors), "--params", str(tensors * elems),
                     "--world", "2", "--dtype", dtype], check=True, capture_output=True,
                    timeout=300)
+
+
+def assert_flat_in_tensors(peaks: dict[int, int], max_bytes_per_tensor: float, what: str) -> None:
+    """Fail unless peak RSS (``peaks``: {tensor count: bytes}) grew by less than
+    ``max_bytes_per_tensor`` per tensor added between the smallest and largest count."""
+    small, large = min(peaks), max(peaks)
+    per_tensor = (peaks[large] - peaks[small]) / (large - small)
+    assert per_tensor < max_bytes_per_tensor, (
+        f"{what}: peak RSS grew {per_tensor:.0f} bytes per tensor from {small} to {large} "
+        f"tensors ({peaks[small] >> 20} MiB -> {peaks[large] >> 20} MiB)")

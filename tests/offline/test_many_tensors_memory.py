@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.peak_rss import cli_peak_rss, make_many_tensors
+from helpers.peak_rss import assert_flat_in_tensors, cli_peak_rss, make_many_tensors
 
 SMALL, LARGE = 2_000, 20_000
 ELEMS = 256
@@ -31,7 +31,4 @@ def test_consolidate_and_inspect_memory_flat_in_tensor_count(tmp_path):
         peaks["consolidate"][n] = cli_peak_rss(["consolidate", ds, str(tmp_path / f"out{n}")])
         peaks["inspect"][n] = cli_peak_rss(["inspect", ds])
     for command, by_size in peaks.items():
-        per_tensor = (by_size[LARGE] - by_size[SMALL]) / (LARGE - SMALL)
-        assert per_tensor < MAX_BYTES_PER_TENSOR, (
-            f"{command}: peak RSS grew {per_tensor:.0f} bytes per tensor from {SMALL} to "
-            f"{LARGE} tensors ({by_size[SMALL] >> 20} MiB -> {by_size[LARGE] >> 20} MiB)")
+        assert_flat_in_tensors(by_size, MAX_BYTES_PER_TENSOR, command)
