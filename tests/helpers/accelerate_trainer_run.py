@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.distributed import DistributedConfig
 
-from helpers.hf_trainer_run import dataset  # the same 48 rows as the plain Trainer test
+from helpers.hf_trainer_run import dataset, end_distributed  # the plain Trainer test's rows
 from offload_engine.integrations.hf_trainer import ZeroMuonTrainer
 from offload_engine.optim.hf_trainer import TrainerZeroMuon
 
@@ -116,3 +116,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()

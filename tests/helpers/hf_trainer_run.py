@@ -49,5 +49,15 @@ def main() -> None:
                os.path.join(out, f"result-rank{rank}.pt"))
 
 
+def end_distributed() -> None:
+    """Join gloo's worker threads while the interpreter is whole: the Trainer never
+    destroys the process group it made, and a worker that drops the last reference to a
+    finished all_gather (the Trainer's loss gather) during interpreter shutdown aborts the
+    process ('terminate called without an active exception')."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    end_distributed()
