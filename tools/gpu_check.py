@@ -25,7 +25,11 @@ Sections, each independent (a failure is recorded with its error and the next on
   ZeroMuon state, 32 times its largest parameter's: the growth of the host's peak RSS
   (tests/helpers/dcp_memory.py in its own process), which must stay a small part of the state.
   DCP's writer keeps every tensor it wrote in host memory until the rank's file is written;
-  the state's lazy tensors hand it host tensors that hold no bytes.
+  the state's lazy tensors hand it host tensors that hold no bytes. A CUDA model's own
+  parameters are staged by DCP whatever the optimizer (in ``save_growth``), so the bound
+  applies to the state saved alone (``state_save_growth``) and to the load.
+
+Exit 1 when a section raised, or reports ``"correct": false`` or ``"bounded": false``.
 
 Without CUDA, ``parity`` and ``step`` run on the CPU at a small size (their CUDA halves are
 reported as skipped) so the script itself is exercised anywhere.
@@ -290,14 +294,18 @@ def check_dcp_memory(tmp: str) -> dict:
         return {"skipped": "no CUDA (tests/optim/test_zero_muon_dcp.py measures the CPU case)"}
     import subprocess
     env = dict(os.environ, PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="131072",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))  # helpers.*
+               PYTHONPATH=os.pathsep.join(  # helpers.*, and the caller's path kept
+                   p for p in (ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH"))
+                   if p))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "helpers", "dcp_memory.py"),
                           os.path.join(tmp, "dcp"), "cuda"],
                          capture_output=True, text=True, env=env, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     m = json.loads(out.stdout.strip().splitlines()[-1])
-    m["bounded"] = all(m[k] < m["state_bytes"] // 4 for k in ("save_growth", "load_growth"))
+    # DCP stages a CUDA model's parameters in host memory (torch's writer, not ours): the
+    # bound is on the state saved alone and on the load
+    m["bounded"] = all(m[k] < m["state_bytes"] // 4 for k in ("state_save_growth", "load_growth"))
     return m
 
 
@@ -325,6 +333,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="every section at a tiny size, in seconds (what the test suite runs)")
     ap.add_argument("--list", action="store_true", help="print the sections' names (JSON), run nothing")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated names of the sections to run (default: all)")
+    ap.add_argument("--out", default=None,
+                    help="also rewrite the report to this file after each section, so a run "
+                         "cut off by a time limit keeps the sections it finished")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     size = "smoke" if args.smoke else (args.size or ("full" if cuda else "small"))
@@ -339,12 +352,24 @@ def main(argv=None) -> int:
                         "cuda": cuda, "gpu": torch.cuda.get_device_name(0) if cuda else None,
                         "path": tmp, "size": size},
         }
-        for name, (fn, *fn_args) in sections(device, tmp, size).items():
+        chosen = sections(device, tmp, size)
+        if args.sections:
+            names = args.sections.split(",")
+            unknown = sorted(set(names) - set(chosen))
+            if unknown:
+                ap.error(f"unknown sections {unknown}; the sections are {list(chosen)}")
+            chosen = {n: chosen[n] for n in names}
+        for name, (fn, *fn_args) in chosen.items():
             report[name] = section(fn, *fn_args)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=2)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(report, indent=2))
-    return 0 if not any("error" in v for k, v in report.items() if k != "machine") else 1
+    failed = [k for k, v in report.items() if k != "machine"
+              and ("error" in v or v.get("correct") is False or v.get("bounded") is False)]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ the largest parameter's), takes a step, then dcp.saves (torchtitan's flattened f
 dcp_flow.py) and dcp.loads into a second optimizer that has taken a step too (so torch's
 helpers do not run their zero-gradient step, which allocates a gradient per parameter).
 Prints JSON: the growth of this process's peak RSS (VmHWM, reset through
-/proc/self/clear_refs before each call) over its RSS before the call, in bytes, and the
-state's size in bytes. DEVICE (default cpu) is where the model lives: on "cuda" the growth
+/proc/self/clear_refs before each call) over its RSS before the call, in bytes, for a
+save of the optimizer's state alone (``state_save_growth``), for the save of model and
+state (``save_growth``: on CUDA it includes DCP's host copy of every parameter) and for the
+load, and the state's size in bytes. DEVICE (default cpu) is where the model lives: on "cuda" the growth
 is still the host's (DCP's writer stages CUDA tensors in host memory; ours must not all at
 once), which tools/gpu_check.py measures.
 """
@@ -65,6 +67,13 @@ def main(path: str, device: str = "cpu") -> None:
     tiny = nn.Linear(2, 2).to(device)
     dcp_flow.save(os.path.join(path, "warm"), tiny, _stepped(tiny), True)
     state_bytes = MATRICES * ROWS * ROWS * 4
+    # the optimizer's state saved alone, before anything else is staged: on CUDA, DCP's
+    # writer also stages every model parameter in host memory (torch's doing, as large as
+    # the parameters), and host memory it kept from that would hide the state's own growth
+    import torch.distributed.checkpoint as dcp
+    state_save = _growth(lambda: dcp.save(
+        {"optimizer": dcp_flow.OptimizerState(model, opt, True)},
+        checkpoint_id=os.path.join(path, "state-only")))
     save = _growth(lambda: dcp_flow.save(os.path.join(path, "ck"), model, opt, True))
     differ = not torch.equal(opt.state_dict()["state"][0]["momentum_buffer"],
                              opt2.state_dict()["state"][0]["momentum_buffer"])
@@ -72,7 +81,8 @@ def main(path: str, device: str = "cpu") -> None:
     same = all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
                for a, b in zip(opt.state_dict()["state"].values(),
                                opt2.state_dict()["state"].values()))
-    print(json.dumps({"device": device, "save_growth": save, "load_growth": load, "state_bytes": state_bytes,
+    print(json.dumps({"device": device, "save_growth": save, "state_save_growth": state_save,
+                      "load_growth": load, "state_bytes": state_bytes,
                       "largest_param_state_bytes": ROWS * ROWS * 4, "differed_before": differ, "loaded_equal": same}))
 
 

@@ -316,6 +316,7 @@ def test_scan_memory_is_bounded_by_windows(tmp_path):
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("matplotlib") is None,
                     reason="matplotlib (the [plot] extra) is not installed")
+@pytest.mark.multiprocess  # matplotlib's first use builds its font cache, running fc-list
 def test_plot_writes_png(ckpt, tmp_path, capsys):
     out_png = tmp_path / "norms.png"
     rc, out, err = run_cli(["inspect", ckpt[0], "--plot", out_png], capsys)
