@@ -172,6 +172,18 @@ class BufferPool:
             self._unregister()
             self.pinned = False
 
+    def prefault(self) -> None:
+        """Touch every page of the arena now, so all of it is resident from the start: the
+        process's peak RSS is then the pool's capacity, not however many of its slots a
+        run happened to have in use at once. Costs the page faults the slots would take
+        when first used (about 65,536 for 256 MiB), up front."""
+        with self._cond:
+            if self._closed:
+                raise UsageError("buffer pool is closed")
+            view = self._view
+            for offset in range(0, self.capacity, ALIGN):
+                view[offset] = 0
+
     # -- allocation ---------------------------------------------------------------------
     def try_acquire(self, nbytes: int, *, reserve: int = 0,
                     top: bool = False) -> PooledBuffer | None:
@@ -187,13 +199,17 @@ class BufferPool:
         with self._cond:
             return self._take(nbytes, need, top)
 
-    def acquire(self, nbytes: int, timeout: float | None = 30.0) -> PooledBuffer:
+    def acquire(self, nbytes: int, timeout: float | None = 30.0, *,
+                reserve: int = 0) -> PooledBuffer:
         """A buffer of ``nbytes`` bytes, waiting up to ``timeout`` seconds for space.
 
+        ``reserve``: hold at least this many bytes for it (as ``try_acquire``: buffers of
+        one reserved size never fragment the pool, so first fit reuses the lowest slots).
         Raises RequestTooLargeError at once if ``nbytes`` exceeds the whole budget, and
         PoolExhaustedError when the wait times out.
         """
-        need = self._need(nbytes)
+        self._need(nbytes)  # refuses a negative or oversized request as it is
+        need = self._need(max(nbytes, reserve))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:

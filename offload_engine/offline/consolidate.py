@@ -13,9 +13,11 @@ the dtype cast) while the main thread writes window k at its offset into the pre
 file. Windows start at multiples of ``window_bytes`` (a multiple of 4096), so a window is
 written with O_DIRECT where the file system allows it, straight from the pool buffer: no
 copy into the page cache, no gigabytes of dirty pages left for the final fsync. Buffers
-come from one ``BufferPool`` of ``depth + 4`` windows (``depth`` queued, one being filled,
-two being written, one staging for casts), so peak memory is independent of the model's
-size and of the tensor sizes. Files are written into a
+come from one ``BufferPool`` of ``depth + 3`` window slots (``depth`` queued, one being
+filled, two being written) and one more where a tensor is cast (its staging), every
+buffer holding a whole slot however short its window (so slots never fragment), and the
+pool's pages are touched before the first read: peak memory is the pool plus the
+interpreter, whatever the model's size, its tensor sizes and the disk's speed. Files are written into a
 staging folder inside the output folder, synced, and swapped in by ``publish`` (one
 commit point: a failed or killed run leaves the earlier export or the new one, whole),
 one run at a time per output folder (``OutputLock``).
@@ -302,8 +304,13 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
     # AsyncFileIO writes them with O_DIRECT where the file system accepts it (a file's
     # last, partial, page goes through the page cache: AsyncFileIO cuts it off).
     direct = None if paths and window_bytes % ALIGN == 0 and _direct_ok(os.path.dirname(paths[0])) else False
+    # The most slots held at once: two writes in flight, ``depth`` filled windows queued,
+    # one being filled and, where tensors are cast, its staging.
+    slot = round_up(window_bytes)
+    casts = any(s.tensor.dtype != infos[s.tensor.name].dtype for p in plans for s in p.slots)
     with AsyncFileIO(threads=2, queue_depth=4, direct=direct) as fio, \
-            BufferPool((depth + 4) * round_up(window_bytes), pin=False) as pool:
+            BufferPool((depth + 3 + casts) * slot, pin=False) as pool:
+        pool.prefault()
         for plan, path in zip(plans, paths):
             fio.preallocate(path, plan.file_size)
         filled: queue.Queue = queue.Queue(maxsize=depth)
@@ -314,7 +321,7 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
                 if stop.is_set():
                     raise _Stop()
                 try:
-                    return pool.acquire(nbytes, timeout=0.5)
+                    return pool.acquire(nbytes, timeout=0.5, reserve=slot)
                 except TimeoutError:
                     continue
 

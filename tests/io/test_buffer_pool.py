@@ -142,3 +142,29 @@ def test_a_pool_of_huge_page_size_asks_for_huge_pages_on_a_huge_page_boundary(mo
     monkeypatch.setenv(HUGE_PAGES_ENV, "0")
     with BufferPool(4 * HUGE_PAGE) as plain:  # turned off: ordinary pages
         assert "hg" not in _vma_flags(plain.address)
+
+
+def test_acquire_with_reserve_holds_a_whole_slot_so_slots_never_fragment():
+    """Windows of uneven length, each reserving a whole slot: a freed slot takes the next
+    window whatever its length, so the lowest slots are reused and none is left too short."""
+    slot = 64 * 1024
+    pool = BufferPool(3 * slot)
+    a = pool.acquire(slot - 4096, reserve=slot)
+    b = pool.acquire(slot, reserve=slot)
+    assert a.nbytes == slot - 4096 and a.capacity == slot and b.offset == slot
+    a.release()
+    c = pool.acquire(slot, reserve=slot)  # a full window fits where a short one was
+    assert c.offset == 0
+    assert pool.acquire(1, reserve=slot).offset == 2 * slot
+    with pytest.raises(RequestTooLargeError):
+        pool.acquire(1, reserve=4 * slot)
+
+
+def test_prefault_makes_the_whole_arena_resident():
+    psutil = pytest.importorskip("psutil")
+    size = 64 << 20
+    with BufferPool(size, pin=False) as pool:
+        before = psutil.Process().memory_info().rss
+        pool.prefault()
+        grown = psutil.Process().memory_info().rss - before
+    assert grown >= size * 0.9, f"prefault of {size} bytes grew RSS by {grown} bytes"

@@ -219,8 +219,10 @@ def test_failed_read_leaves_no_partial_output(tmp_path):
 
 
 def test_memory_is_a_few_windows_not_the_model(tmp_path):
-    """A 24 MB model through 256 KiB windows: buffers in use stay at a few windows, the largest
-    tensor (16 MB) crosses many windows, and a bf16 cast goes through the staging buffer."""
+    """A 24 MB model through 256 KiB windows: buffers in use stay at a few windows (four
+    slots: two writes, one queued, one filling; a fifth, the staging, for a cast), the
+    largest tensor (16 MB) crosses many windows, and a bf16 cast goes through the staging
+    buffer."""
     from helpers.deepspeed_checkpoints import write_synthetic
 
     g = torch.Generator().manual_seed(0)
@@ -232,7 +234,7 @@ def test_memory_is_a_few_windows_not_the_model(tmp_path):
         out = tmp_path / f"out-{dtype}".replace("torch.", "")
         with DeepSpeedSource(str(tmp_path / "ck")) as src:
             result = consolidate(src, str(out), dtype=dtype, window_bytes=window, max_shard_bytes=10**7)
-            assert result.peak_buffer_bytes <= 6 * window
+            assert result.peak_buffer_bytes <= (5 if dtype == torch.bfloat16 else 4) * window
             assert verify_output(src, str(out), dtype=dtype, chunk_bytes=window) == []
         got, _ = load_output(out)
         for name, want in params.items():
