@@ -63,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="re-read the output with the safetensors library and compare it with "
                         "the checkpoint; exit 1 on any difference")
     p.add_argument("--window-size", default="64MiB",
-                   help="bytes per reusable I/O buffer; at most 5 are in use at once "
+                   help="bytes per reusable I/O buffer; 4 are held, 5 when casting (to bf16, say) "
                         "(default: 64MiB)")
     p.add_argument("--no-copy-config", dest="copy_config", action="store_false",
                    help="do not copy config.json, generation_config.json and tokenizer files "
