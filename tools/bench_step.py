@@ -459,6 +459,14 @@ def main(argv=None) -> int:
                    help="also run DeepSpeed on the same model with this interpreter (a venv with "
                         "deepspeed 0.19.8 and this repo's torch): ZeRO-3 Muon with NVMe optimizer "
                         "offload (--rule muon) or ZeRO-Infinity AdamW (--rule adamw)")
+    p.add_argument("--deepspeed-zero-init", action="store_true",
+                   help="build DeepSpeed's model under deepspeed.zero.Init (each parameter "
+                        "partitioned as it is made), as users of large models do: without it "
+                        "every rank holds the whole model first (at 1 B parameters, fp32, W=2, "
+                        "more than 23 GiB of RAM holds)")
+    p.add_argument("--deepspeed-offload-params", choices=("nvme", "none"), default="nvme",
+                   help="--rule adamw: DeepSpeed's parameters on NVMe too (ZeRO-Infinity, the "
+                        "default) or in host memory (optimizer offload only, as ours)")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
@@ -489,7 +497,7 @@ def main(argv=None) -> int:
                                                         "wall_s": raw["wall_s"]}
             if args.deepspeed_python:
                 ds = deepspeed_name(args.rule, master)
-                results[ds] = run_deepspeed(args, master)
+                results[ds] = run_deepspeed(args, master, zero_init=args.deepspeed_zero_init)
                 if "error" not in results[ds] and "error" not in results[name]:
                     results[ds]["ours_over_deepspeed"] = {
                         "step": results[name]["nvme_step_s"] / results[ds]["step_s"],
@@ -501,7 +509,7 @@ def main(argv=None) -> int:
         "settings": {k: getattr(args, k) for k in (
             "world", "rule", "steps", "warmup", "vocab", "dim", "layers", "batch", "seq", "threads",
             "bucket_bytes", "extra_buckets", "io_threads", "queue_depth", "block_size",
-            "prefetch_depth")},
+            "prefetch_depth", "deepspeed_zero_init", "deepspeed_offload_params")},
         "fio": fio, "results": results,
         "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": cores,
                         "torch": torch.__version__, "platform": platform.platform(),
