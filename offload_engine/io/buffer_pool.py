@@ -172,17 +172,19 @@ class BufferPool:
             self._unregister()
             self.pinned = False
 
-    def prefault(self) -> None:
-        """Touch every page of the arena now, so all of it is resident from the start: the
-        process's peak RSS is then the pool's capacity, not however many of its slots a
-        run happened to have in use at once. Costs the page faults the slots would take
-        when first used (about 65,536 for 256 MiB), up front."""
+    def prefault(self, offset: int = 0, nbytes: int | None = None) -> None:
+        """Touch every page of bytes ``[offset, offset + nbytes)`` of the arena now (default:
+        all of it), so they are resident from the start: the process's peak RSS is then
+        what was touched, not however many of its slots a run happened to have in use at
+        once. Costs the page faults the slots would take when first used (about 65,536
+        for 256 MiB), up front."""
+        end = self.capacity if nbytes is None else min(self.capacity, offset + nbytes)
         with self._cond:
             if self._closed:
                 raise UsageError("buffer pool is closed")
             view = self._view
-            for offset in range(0, self.capacity, ALIGN):
-                view[offset] = 0
+            for page in range(offset // ALIGN * ALIGN, end, ALIGN):
+                view[page] = 0
 
     # -- allocation ---------------------------------------------------------------------
     def try_acquire(self, nbytes: int, *, reserve: int = 0,

@@ -16,11 +16,11 @@ copy into the page cache, no gigabytes of dirty pages left for the final fsync. 
 come from one ``BufferPool`` of ``depth + 3`` window slots (``depth`` queued, one being
 filled, two being written) and one more where a tensor is cast (its staging), every
 buffer holding a whole slot however short its window (so slots never fragment), and the
-pool's pages are touched before the first read: peak memory is the pool plus the
-interpreter, whatever the model's size, its tensor sizes and the disk's speed. Files are written into a
-staging folder inside the output folder, synced, and swapped in by ``publish`` (one
-commit point: a failed or killed run leaves the earlier export or the new one, whole),
-one run at a time per output folder (``OutputLock``).
+pages a window can use of each slot are touched before the first read: peak memory is the
+pool plus the interpreter, whatever the model's size, its tensor sizes and the disk's
+speed. Files are written into a staging folder inside the output folder, synced, and
+swapped in by ``publish`` (one commit point: a failed or killed run leaves the earlier
+export or the new one, whole), one run at a time per output folder (``OutputLock``).
 
 No torch and no ml_dtypes: windows are raw numpy views of the pool's memory and dtypes are
 ``offload_engine.dtypes`` entries. Torch is imported only for a cast numpy cannot do bit for
@@ -310,7 +310,9 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
     casts = any(s.tensor.dtype != infos[s.tensor.name].dtype for p in plans for s in p.slots)
     with AsyncFileIO(threads=2, queue_depth=4, direct=direct) as fio, \
             BufferPool((depth + 3 + casts) * slot, pin=False) as pool:
-        pool.prefault()
+        used = _window_bytes_bound(plans, infos, slot)
+        for i in range(depth + 3 + casts):
+            pool.prefault(i * slot, used)
         for plan, path in zip(plans, paths):
             fio.preallocate(path, plan.file_size)
         filled: queue.Queue = queue.Queue(maxsize=depth)
@@ -405,6 +407,19 @@ def _write_files(source, plans, paths, infos, total, window_bytes, depth, progre
                     item[1].release()
             reader.join()
         return pool.peak_in_use
+
+
+def _window_bytes_bound(plans: Sequence[ShardPlan], infos: Mapping[str, Written],
+                        slot: int) -> int:
+    """Most bytes of its slot a window (or its staging) can use: the whole slot, unless
+    the longest header plus ``MAX_WINDOW_PIECES`` of the largest tensor are less (many
+    small tensors close their windows early: 100,000 tensors of 1 KB fill 4 MiB of each
+    64 MiB slot, which is all that is touched up front then)."""
+    largest = max((s.tensor.numel * max(s.tensor.dtype.itemsize, infos[s.tensor.name].dtype.itemsize)
+                   for p in plans for s in p.slots), default=0)
+    header = max((len(p.header) for p in plans), default=0)
+    # +8 per piece: staged chunks start 8-byte aligned; 2 pages: a window ends on a page
+    return min(slot, round_up(header + MAX_WINDOW_PIECES * (largest + 8) + 2 * ALIGN))
 
 
 def _write_window(fio: AsyncFileIO, win: Window, buf: PooledBuffer) -> IOFuture:

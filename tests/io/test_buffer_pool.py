@@ -168,3 +168,13 @@ def test_prefault_makes_the_whole_arena_resident():
         pool.prefault()
         grown = psutil.Process().memory_info().rss - before
     assert grown >= size * 0.9, f"prefault of {size} bytes grew RSS by {grown} bytes"
+
+
+def test_prefault_of_a_range_touches_that_range_only():
+    psutil = pytest.importorskip("psutil")
+    size, part = 64 << 20, 16 << 20
+    with BufferPool(size, pin=False) as pool:
+        before = psutil.Process().memory_info().rss
+        pool.prefault(size // 2, part)
+        grown = psutil.Process().memory_info().rss - before
+    assert part * 0.9 <= grown < part * 1.5, f"prefault of {part} bytes grew RSS by {grown} bytes"
