@@ -48,6 +48,14 @@ rank and peak RSS per rank.
     python tools/bench_step.py --path /nvme/bench --dim 768 --layers 12 --rule adamw \\
         --deepspeed-python /work/dsvenv/bin/python        # ~134 M parameters, all-AdamW
 
+Peak RSS per rank comes three ways: ``peak_rss_bytes`` (the whole process: setup, where
+each rank builds the model whole before sharding, included), ``training_peak_rss_bytes``
+(forward, backward and steps only: the peak is reset after setup, Linux's ``clear_refs``;
+DeepSpeed's worker reports the same window), and ``nvme_alone``: one more run, 1 warm-up
+and 1 step, of the NVMe optimizer without its in-memory twin, whose resident state the
+alternating run holds too. ``nvme_alone``'s training peak is the figure to hold against
+DeepSpeed's; ``--no-rss-alone`` skips that run, ``--rss-alone-only`` runs only it.
+
 ``--smoke`` runs the same code at tiny sizes (a 2-block model of width 64, one measured
 step, 16 KiB buckets, an 8 MiB fio file) in seconds and prints the same JSON: the test
 suite runs it (with ``--deepspeed-python`` where deepspeed is installed) so the tool
@@ -132,6 +140,31 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux: ``clear_refs`` 5 resets VmHWM to the current
+    RSS), so that setup (a model built whole before sharding, say) does not count; False
+    where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def window_peak_rss_bytes() -> int | None:
+    """Peak RSS since the last ``reset_peak_rss`` (bytes): VmHWM, which, unlike
+    ``ru_maxrss``, does not keep the peak of before the reset when a thread exits."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def use_muon_rule(rule: str):
     """ZeroMuon's ``use_muon_rule`` for ``--rule``: its default, or AdamW for every parameter."""
     from offload_engine.optim import default_use_muon
@@ -213,9 +246,15 @@ def _rank_main(rank, world, a, out_prefix):
     lay = opt_cpu.layout
     pool = (working_buckets(lay) + len(lay.short_tails()) + a["extra_buckets"]) * B
     opt_nvme = ZeroMuon(named, **hyper, store={
-        "nvme_paths": [os.path.join(a["path"], f"master{int(master)}")], "cpu_budget": pool,
+        "nvme_paths": [os.path.join(a["path"], f"master{int(master)}" + ("-alone" if a.get("alone") else ""))],
+        "cpu_budget": pool,
         "bucket_bytes": B, **io})
     counter = ArrayBytes(opt_nvme.store)
+    # --rss-alone's run: the NVMe optimizer only, for a peak RSS that is ours alone (the
+    # in-memory twin was made for its layout and is closed before training)
+    kinds = ("nvme",) if a.get("alone") else ("nvme", "cpu")
+    if a.get("alone"):
+        opt_cpu.close()
 
     # what each rank holds: parameters per kind, state bytes per array (no padding: exact)
     infos = opt_nvme.infos
@@ -239,8 +278,10 @@ def _rank_main(rank, world, a, out_prefix):
     tokens = lambda: torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
     steps = {"nvme": [], "cpu": []}
     opts = {"nvme": opt_nvme, "cpu": opt_cpu}
+    result["peak_rss_before_training_bytes"] = peak_rss_bytes()
+    result["peak_window_reset"] = reset_peak_rss()
     for it in range(a["warmup"] + a["steps"]):
-        order = ("nvme", "cpu") if it % 2 == 0 else ("cpu", "nvme")
+        order = kinds if it % 2 == 0 else kinds[::-1]
         for which in order:
             opt = opts[which]
             t0 = time.perf_counter()
@@ -266,10 +307,14 @@ def _rank_main(rank, world, a, out_prefix):
             if it >= a["warmup"]:
                 steps[which].append(rec)
     result["steps"] = steps
-    result["peak_rss_bytes"] = peak_rss_bytes()   # both optimizers' pools included
+    # training only (forward, backward, steps); both optimizers' state when both ran (the
+    # kernel's two peak counters may differ by a few hundred KiB: /proc sums exactly)
+    result["training_peak_rss_bytes"] = window_peak_rss_bytes() if result["peak_window_reset"] else None
+    result["peak_rss_bytes"] = peak_rss_bytes()   # the whole process: setup included
     result["loadavg_end"] = os.getloadavg()
     opt_nvme.close()
-    opt_cpu.close()
+    if not a.get("alone"):
+        opt_cpu.close()
     dist.destroy_process_group()
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(result, f)
@@ -354,6 +399,7 @@ def summarize(ranks: list[dict], fio_gbps: float) -> dict:
         "nvme_step_s": nvme_s, "cpu_step_s": cpu_s, "compute_s": cpu_s,
         "nvme_iteration_s": iteration("nvme"), "cpu_iteration_s": iteration("cpu"),
         "peak_rss_bytes_per_rank": [r.get("peak_rss_bytes") for r in ranks],
+        "training_peak_rss_bytes_per_rank": [r.get("training_peak_rss_bytes") for r in ranks],
         "moved_bytes_per_rank": [p["moved_bytes"] for p in per_rank],
         "io_bytes_per_step_all_ranks": io_bytes, "io_s": io_s,
         "bound_s": bound, "bound_is": "io" if io_s > cpu_s else "compute",
@@ -394,15 +440,30 @@ def worker_result(rc: int | None, out: str, err: str, timeout: float) -> dict:
     return json.loads(line[len("BENCH_RESULT "):])
 
 
-def run_worker(args, master: bool) -> dict:
-    a = {"world": args.world, "threads": args.threads, "master": master, "rule": args.rule,
+def run_worker(args, master: bool, alone: bool = False) -> dict:
+    """One run of ours (a fresh interpreter, ``args.world`` ranks): both optimizers
+    alternating, or with ``alone`` the NVMe one only, 1 warm-up and 1 measured step (for
+    its peak RSS)."""
+    a = {"alone": alone, "world": args.world, "threads": args.threads, "master": master, "rule": args.rule,
          "vocab": args.vocab,
          "dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
          "steps": args.steps, "warmup": args.warmup, "path": args.path,
          "bucket_bytes": args.bucket_bytes, "extra_buckets": args.extra_buckets,
          "io_threads": args.io_threads, "queue_depth": args.queue_depth,
          "block_size": args.block_size, "prefetch_depth": args.prefetch_depth}
+    if alone:
+        a.update(steps=1, warmup=1)
     return run_tool_worker(os.path.abspath(__file__), a, args.timeout)
+
+
+def alone_memory(raw: dict) -> dict:
+    """Peak RSS per rank of ``run_worker(..., alone=True)``: the figure to hold against a
+    peer's (the alternating run's also holds the in-memory twin's state)."""
+    if "error" in raw:
+        return raw
+    return {"training_peak_rss_bytes_per_rank": [r.get("training_peak_rss_bytes") for r in raw["ranks"]],
+            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in raw["ranks"]],
+            "wall_s": raw["wall_s"]}
 
 
 def run_tool_worker(script: str, a: dict, timeout: float, python: str = sys.executable,
@@ -467,6 +528,12 @@ def main(argv=None) -> int:
     p.add_argument("--deepspeed-offload-params", choices=("nvme", "none"), default="nvme",
                    help="--rule adamw: DeepSpeed's parameters on NVMe too (ZeRO-Infinity, the "
                         "default) or in host memory (optimizer offload only, as ours)")
+    p.add_argument("--no-rss-alone", dest="rss_alone", action="store_false",
+                   help="skip the extra run (1 warm-up, 1 step) of the NVMe optimizer alone that "
+                        "measures our peak RSS without the in-memory twin's state")
+    p.add_argument("--rss-alone-only", action="store_true",
+                   help="run only that NVMe-alone run (no fio, no in-memory twin, no DeepSpeed): "
+                        "our peak RSS at a size in minutes")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, seconds, the same code and JSON (figures mean nothing)")
@@ -489,12 +556,18 @@ def main(argv=None) -> int:
     args.path = tmp
     results = {}
     try:
-        fio = fio_mixed_gbps(tmp, args.fio_size, args.block_size, args.queue_depth, args.fio_runs)
+        fio = (None if args.rss_alone_only else
+               fio_mixed_gbps(tmp, args.fio_size, args.block_size, args.queue_depth, args.fio_runs))
         for master in {"both": (False, True), "off": (False,), "on": (True,)}[args.masters]:
             name = "bf16_params_fp32_masters" if master else "fp32_params_no_masters"
+            if args.rss_alone_only:
+                results[name] = {"nvme_alone": alone_memory(run_worker(args, master, alone=True))}
+                continue
             raw = run_worker(args, master)
             results[name] = raw if "error" in raw else {**summarize(raw["ranks"], fio["mixed"]["gbps"]),
                                                         "wall_s": raw["wall_s"]}
+            if args.rss_alone and "error" not in raw:
+                results[name]["nvme_alone"] = alone_memory(run_worker(args, master, alone=True))
             if args.deepspeed_python:
                 ds = deepspeed_name(args.rule, master)
                 results[ds] = run_deepspeed(args, master, zero_init=args.deepspeed_zero_init)
@@ -509,7 +582,7 @@ def main(argv=None) -> int:
         "settings": {k: getattr(args, k) for k in (
             "world", "rule", "steps", "warmup", "vocab", "dim", "layers", "batch", "seq", "threads",
             "bucket_bytes", "extra_buckets", "io_threads", "queue_depth", "block_size",
-            "prefetch_depth", "deepspeed_zero_init", "deepspeed_offload_params")},
+            "prefetch_depth", "deepspeed_zero_init", "deepspeed_offload_params", "rss_alone", "rss_alone_only")},
         "fio": fio, "results": results,
         "environment": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": cores,
                         "torch": torch.__version__, "platform": platform.platform(),
@@ -528,7 +601,7 @@ def main(argv=None) -> int:
         ],
     }
     print(json.dumps(report, indent=2))
-    return 1 if any("error" in r for r in results.values()) else 0
+    return 1 if any("error" in r or "error" in r.get("nvme_alone", {}) for r in results.values()) else 0
 
 
 def deepspeed_name(rule: str, master: bool) -> str:
@@ -566,6 +639,7 @@ def run_deepspeed(args, master: bool = False, script: str | None = None,
             "disk_read_bytes_per_step": [med(r, "disk_read") for r in ranks],
             "disk_write_bytes_per_step": [med(r, "disk_write") for r in ranks],
             "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+            "training_peak_rss_bytes_per_rank": [r.get("training_peak_rss_bytes") for r in ranks],
             "step_s_runs": [[s["step_s"] for s in r["steps"]] for r in ranks],
             "note": "DeepSpeed orthogonalizes inside backward at the accumulation boundary: "
                     "compare iteration_s too; disk bytes per rank from /proc/self/io, the "
@@ -626,6 +700,7 @@ def _ds_rank_main(rank, world, a, out_prefix):
                                            config=ds_cfg)
     gen = torch.Generator().manual_seed(1000 + rank)
     steps = []
+    windowed = reset_peak_rss()
     for i in range(a["warmup"] + a["steps"]):
         tokens = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
         io0 = proc_io()
@@ -638,9 +713,10 @@ def _ds_rank_main(rank, world, a, out_prefix):
         if i >= a["warmup"]:
             steps.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1,
                           "disk_read": io1[0] - io0[0], "disk_write": io1[1] - io0[1]})
+    window = window_peak_rss_bytes() if windowed else None
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "steps": steps, "peak_rss_bytes": peak_rss_bytes(),
-                   "config": ds_cfg}, f)
+                   "training_peak_rss_bytes": window, "config": ds_cfg}, f)
 
 
 if __name__ == "__main__":
