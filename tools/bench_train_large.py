@@ -42,8 +42,12 @@ its parameter swapper; docs/benchmarks.md). Its figures, or exactly how it faile
 code, last lines of its output).
 
     python tools/bench_train_large.py --path /nvme/bench --params 3e9 --rule adamw --steps 3
-    python tools/bench_train_large.py --path /nvme/bench --params 3e9 --rule muon --steps 2 \\
-        --peer deepspeed --deepspeed-python /work/dsvenv/bin/python
+    python tools/bench_train_large.py --path /nvme/bench --params 3e9 --state-over-ram 1.1 --rule muon \\
+        --steps 1 --peer deepspeed --deepspeed-python /work/dsvenv/bin/python
+
+``--state-over-ram R`` grows the model past ``--params`` where needed for the rule's state to
+be at least R times this machine's RAM (under the Muon rule a parameter's state is 8 B, not
+12, so the same state takes a larger model: 3.4 B parameters for 1.1x of 25.3 GB).
 
 ``--smoke`` runs the same code at tiny sizes in seconds (figures mean nothing): the test
 suite runs it. Exit code 1 when a run failed (its entry holds ``error``).
@@ -100,6 +104,31 @@ def shape_for(params: float, vocab: int) -> tuple[int, int]:
         raise SystemExit(f"bench_train_large: {params:.3g} parameters is below one block at "
                          f"vocab {vocab}; pass --hidden and --layers")
     return best[1], best[2]
+
+
+def state_bytes_for(vocab: int, hidden: int, layers: int, rule: str) -> int:
+    """Optimizer state (bytes) of the decoder with fp32 masters: 12 B per AdamW parameter
+    (master + two moments), 8 B per Muon parameter (master + momentum); the Muon rule puts
+    the blocks' matrices on Muon, embeddings, head and norms on AdamW."""
+    params = decoder_params(vocab, hidden, layers)
+    muon = layers * 12 * hidden * hidden if rule == "muon" else 0
+    return 8 * muon + 12 * (params - muon)
+
+
+def params_for_state(state_bytes: float, vocab: int, rule: str) -> float:
+    """About how many parameters (``shape_for``'s input) make a state of at least
+    ``state_bytes`` under ``rule`` (bisection: state grows with parameters)."""
+    def state(params: float) -> int:
+        return state_bytes_for(vocab, *shape_for(params, vocab), rule)
+    low = high = 1e8   # shape_for's smallest shapes need some parameters to start from
+    if state(high) >= state_bytes:
+        return high
+    while state(high) < state_bytes:
+        low, high = high, high * 2
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if state(mid) < state_bytes else (low, mid)
+    return high
 
 
 # -- one rank -----------------------------------------------------------------------------------
@@ -310,6 +339,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--path", help="directory on the NVMe (a temporary folder is made in it and removed)")
     p.add_argument("--params", type=float, default=3e9,
                    help="about this many parameters; picks --hidden and --layers (default 3e9)")
+    p.add_argument("--state-over-ram", type=float, default=None,
+                   help="at least this many times this machine's RAM of optimizer state "
+                        "under --rule (e.g. 1.1): the model grows past --params where needed")
     p.add_argument("--hidden", type=int, default=None, help="model width (elements)")
     p.add_argument("--layers", type=int, default=None, help="decoder blocks")
     p.add_argument("--vocab", type=int, default=32000)
@@ -356,13 +388,16 @@ def main(argv=None) -> int:
     if not args.path or not os.path.isdir(args.path):
         print("bench_train_large: --path must be an existing directory", file=sys.stderr)
         return 2
+    import psutil
+    ram = psutil.virtual_memory().total
+    if args.state_over_ram:
+        args.params = max(args.params, params_for_state(args.state_over_ram * ram, args.vocab,
+                                                        args.rule))
     if args.hidden is None or args.layers is None:
         hidden, layers = shape_for(args.params, args.vocab)
         args.hidden, args.layers = args.hidden or hidden, args.layers or layers
-    import psutil
     cores = os.cpu_count() or 1
     args.threads = args.threads or max(1, cores // args.world)
-    ram = psutil.virtual_memory().total
     load0 = os.getloadavg()
     args.path = tempfile.mkdtemp(prefix="bench_train_large_", dir=args.path)
     report = {"settings": {k: getattr(args, k) for k in (
