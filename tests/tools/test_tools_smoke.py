@@ -184,6 +184,12 @@ def _check_bench_step_run(run: dict, masters: bool, rule: str = "muon"):
                     run["nvme_iteration_s"], run["cpu_iteration_s"],
                     *run["peak_rss_bytes_per_rank"], *run["moved_bytes_per_rank"])
     assert run["world"] == len(run["per_rank"]) == 2
+    # peak RSS of training alone (setup excluded), and of a run of the NVMe optimizer without
+    # its in-memory twin: the figure held against a peer's
+    alone = run["nvme_alone"]
+    assert "error" not in alone, alone
+    for peaks in (run["training_peak_rss_bytes_per_rank"], alone["training_peak_rss_bytes_per_rank"]):
+        assert len(peaks) == 2 and positive(*peaks)
     assert (run["muon_params"] > 0) == (rule == "muon")
     for rank in run["per_rank"]:
         kinds = ({"muon_momentum"} if rule == "muon" else set()) | {"adam_moments"} | (
@@ -217,6 +223,7 @@ def smoke_bench_step_deepspeed_adamw(tmp_path):
     _check_bench_step_run(out["results"]["bf16_params_fp32_masters"], masters=True, rule="adamw")
     ds = out["results"]["deepspeed_zero_infinity_adamw_nvme_bf16"]
     assert "error" not in ds, ds
+    assert positive(*ds["training_peak_rss_bytes_per_rank"])
     assert ds["config"]["optimizer"]["type"] == "AdamW" and ds["config"]["bf16"]["enabled"]
     assert ds["config"]["zero_optimization"]["offload_param"]["device"] == "nvme"
     assert positive(ds["step_s"], ds["iteration_s"], *ds["peak_rss_bytes_per_rank"],
@@ -268,6 +275,38 @@ def smoke_bench_train_large_deepspeed(tmp_path):
     assert ds["config"]["optimizer"]["type"] == "Muon" and positive(ds["step_s"], ds["iteration_s"])
 
 
+def smoke_bench_newton_schulz(tmp_path):
+    out = run_json(["bench_newton_schulz.py", "--smoke"], tmp_path)
+    assert set(out["per_shape"]) == {"attention (q, k, v, o)", "mlp up", "mlp down"}
+    for m in out["per_shape"].values():
+        assert positive(m["newton_schulz_s"], m["newton_schulz_gflops"], m["mm_gflops"])
+    assert len(out["model_newton_schulz_s_per_rank"]) == 2
+    assert positive(*out["model_newton_schulz_s_per_rank"])
+
+
+def test_train_large_sizes_the_model_for_a_state_over_ram():
+    """--state-over-ram R: the smallest shape whose state under the rule reaches R x RAM (the
+    Muon rule's 8 B per matrix parameter needs a larger model than all-AdamW's 12 B)."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_train_large as tl
+    finally:
+        sys.path.remove(str(TOOLS))
+    vocab, ram = 32000, 25.3e9
+    sizes = {}
+    for rule in ("adamw", "muon"):
+        params = tl.params_for_state(1.1 * ram, vocab, rule)
+        state = tl.state_bytes_for(vocab, *tl.shape_for(params, vocab), rule)
+        assert state >= 1.1 * ram
+        assert tl.state_bytes_for(vocab, *tl.shape_for(params * 0.97, vocab), rule) < 1.1 * ram
+        sizes[rule] = tl.decoder_params(vocab, *tl.shape_for(params, vocab))
+    assert sizes["muon"] > sizes["adamw"]
+    # by hand: 12 blocks of width 768 hold 12 x 12 x 768^2 matrix elements (8 B each on Muon)
+    muon = 12 * 12 * 768 * 768
+    assert tl.state_bytes_for(vocab, 768, 12, "muon") == 8 * muon + 12 * (
+        tl.decoder_params(vocab, 768, 12) - muon)
+
+
 def smoke_bench_all(tmp_path):
     """Two cheap benchmarks of --tiny run end to end: the JSON printed and written, the
     headline table, the machine and the commit recorded; DeepSpeed left out on purpose."""
@@ -308,6 +347,8 @@ def smoke_bench_all_dry_run(tmp_path):
             "inspect", "startup", "train_large_adamw", "train_large_muon"} == set(plan)
     assert "--dim 2048 --layers 17" in plan["step_1b_adamw"]["command"]
     assert "--params 3000000000.0" in plan["train_large_muon"]["command"]
+    # the state must pass RAM on any machine: the Muon rule's model grows until it does
+    assert "--state-over-ram 1.1" in plan["train_large_muon"]["command"]
     assert "make_deepspeed_checkpoint.py" in plan["consolidate_2700m"]["before"][-1]
     for name in ("store", "step_134m_muon", "consolidate_270m", "inspect"):
         assert plan[name]["status"] == "skipped" and "fio" in plan[name]["why"]
@@ -438,6 +479,7 @@ CASES = {
     "bench_import.py": (smoke_bench_import, [needs_fio, needs_time]),
     "bench_inspect.py": (smoke_bench_inspect, [needs_fio]),
     "bench_many_tensors.py": (smoke_bench_many_tensors, []),
+    "bench_newton_schulz.py": (smoke_bench_newton_schulz, []),
     "bench_io.py": (smoke_bench_io, []),
     "bench_startup.py": (smoke_bench_startup, []),
     "bench_step.py": (smoke_bench_step, [needs_fio]),
