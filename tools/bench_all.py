@@ -203,16 +203,24 @@ def plan_full(ram: int) -> list[Bench]:
               timeout_s=1800),
         # at least 3 B parameters, and more where this machine's RAM needs it for the state
         # to exceed RAM (1.1x; the Muon rule's 8 B per parameter takes 3.4 B at 25 GB)
+        *train_large_benches(ram),
+    ]
+
+
+def train_large_benches(ram: int) -> list[Bench]:
+    """--full's two runs of bench_train_large (all-AdamW, Muon rule) against DeepSpeed."""
+    disk = max(int(3e9 * 12), int(ram * 1.1)) * 11 // 10   # the state, and a tenth more
+    return [
         Bench("train_large_adamw", "training, >= 3 B, all-AdamW, state on NVMe larger than RAM",
               tool("bench_train_large.py", "--path", "{work}", "--params", 3e9,
                    "--state-over-ram", 1.1, "--rule", "adamw", "--steps", 3),
               deepspeed=("--peer", "deepspeed", "--deepspeed-python", "{ds}"),
-              disk_bytes=max(int(3e9 * 12), int(ram * 1.1)) * 11 // 10, timeout_s=12 * 3600),
+              disk_bytes=disk, timeout_s=12 * 3600),
         Bench("train_large_muon", "training, >= 3 B, Muon rule, state on NVMe larger than RAM",
               tool("bench_train_large.py", "--path", "{work}", "--params", 3e9,
                    "--state-over-ram", 1.1, "--rule", "muon", "--steps", 1),
               deepspeed=("--peer", "deepspeed", "--deepspeed-python", "{ds}"),
-              disk_bytes=max(int(3e9 * 12), int(ram * 1.1)) * 11 // 10, timeout_s=12 * 3600),
+              disk_bytes=disk, timeout_s=12 * 3600),
     ]
 
 

@@ -88,9 +88,7 @@ def main(argv=None) -> int:
     per_shape = {name: measure(r, c, args.runs) for name, (r, c) in shapes.items()}
     block = [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]
     owners = assign_owners([block * args.layers], args.world)[0]
-    rate = {name: m["newton_schulz_gflops"] for name, m in per_shape.items()}
-    by_shape = {(d, d): rate["attention (q, k, v, o)"], (4 * d, d): rate["mlp up"],
-                (d, 4 * d): rate["mlp down"]}
+    by_shape = {shape: per_shape[name]["newton_schulz_gflops"] for name, shape in shapes.items()}
     seconds = [0.0] * args.world
     for shape, rank in zip(block * args.layers, owners):
         seconds[rank] += ns_flops(*shape) / (by_shape[shape] * 1e9)

@@ -121,8 +121,6 @@ def params_for_state(state_bytes: float, vocab: int, rule: str) -> float:
     def state(params: float) -> int:
         return state_bytes_for(vocab, *shape_for(params, vocab), rule)
     low = high = 1e8   # shape_for's smallest shapes need some parameters to start from
-    if state(high) >= state_bytes:
-        return high
     while state(high) < state_bytes:
         low, high = high, high * 2
     for _ in range(40):
