@@ -351,7 +351,12 @@ class AsyncFileIO:
                 item = taken = None  # drop the buffer view now: an idle worker must not pin the pool
                 with self._queue_cv:
                     self._inflight[op] -= 1
-                    self._queue_cv.notify_all()
+                    # one slot is free: one waiting worker can use it (waking every worker
+                    # per piece cost ~100 futex calls per small read); all must see a close
+                    if self._closed:
+                        self._queue_cv.notify_all()
+                    elif self._serving[op] or self._queues[op]:
+                        self._queue_cv.notify()
 
     def _do_sync(self, path: str, fut: IOFuture) -> None:
         entry = None

@@ -359,8 +359,10 @@ class OursSource(TensorSource):
 
     def _range_reader(self) -> RangeReader:
         if self._ranges is None:
-            self._pool = BufferPool(4 * self.window_bytes)
-            self._ranges = RangeReader(self._io, self._pool, self.window_bytes, cache_windows=2)
+            # two windows for verifying a chunk, two of cached blocks: flat in the input
+            self._pool = BufferPool(2 * self.window_bytes)
+            self._ranges = RangeReader(self._io, self._pool, self.window_bytes,
+                                       cache_bytes=2 * self.window_bytes)
         return self._ranges
 
     @_removal_reported

@@ -23,6 +23,7 @@ from ...layout import FlatArray
 from ...layout.checksums import crc32c_extend, mismatch, missing, unexpected
 from ...layout.fill_values import fill_pattern
 from ...units import PAGE
+from .block_cache import Block, BlockCache
 
 
 class ChunkedArray:
@@ -203,18 +204,25 @@ class WindowStream:
 
 class RangeReader:
     """Element ranges of arrays (what ``OursSource.read`` serves: load, consolidate, diff,
-    export): reads go straight into the caller's bytes, except that a checksummed chunk is
-    first read whole, window by window, and verified; its windows stay in a small cache
-    that serves the reads that follow."""
+    export). A chunk file's bytes are served from a ``BlockCache``: a checksummed chunk is
+    first read whole, window by window, and verified, its first windows kept; what is not
+    cached is read in blocks that grow while reads go on in storage order, so many small
+    tensors cost a few large reads, not one read each.
 
-    def __init__(self, io: AsyncFileIO, pool: BufferPool, window_bytes: int, cache_windows: int):
+    Args:
+        io: the file I/O.
+        pool: the verification windows' buffers (``2 * window_bytes``).
+        window_bytes: bytes of a verification window (a multiple of 4096).
+        cache_bytes: memory for cached blocks (allocated once, apart from ``pool``).
+    """
+
+    def __init__(self, io: AsyncFileIO, pool: BufferPool, window_bytes: int, cache_bytes: int):
         self.io = io
-        self.pool = pool
         self.window_bytes = window_bytes
         self.stream = WindowStream(io, pool, depth=1)
-        self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._cache_windows = max(1, cache_windows)
+        self.cache = BlockCache(cache_bytes, max_block=min(window_bytes, cache_bytes // 4))
         self._verified: set[tuple[int, int]] = set()
+        self._present: dict[tuple[int, int], bool] = {}
 
     def read(self, array: ChunkedArray, lo: int, hi: int, out: memoryview) -> None:
         """Elements ``[lo, hi)`` of ``array`` into the bytes ``out``."""
@@ -228,54 +236,72 @@ class RangeReader:
             if array.verified(chunk):
                 if (id(array), chunk) not in self._verified:
                     self._verify(array, chunk)
-                self._copy_verified(array, chunk, pos, end, dst)
-            else:
-                if array.recorded_absent(chunk):
-                    chunk_present(array, chunk)  # raises if a file appeared since the save
+                self._copy_cached(array, chunk, pos, end, dst)
+            elif flat.direct and self._is_present(array, chunk):
+                self._copy_cached(array, chunk, pos, end, dst)
+            else:  # absent (the fill value, no I/O) or compressed (zarr-python decodes)
                 flat.read_into(pos, end, dst).result()
             pos = end
 
+    def _is_present(self, array: ChunkedArray, chunk: int) -> bool:
+        """Whether an unchecksummed chunk has its file (asked once per chunk)."""
+        key = (id(array), chunk)
+        present = self._present.get(key)
+        if present is None:
+            present = self._present[key] = chunk_present(array, chunk)
+        return present
+
     def _verify(self, array: ChunkedArray, chunk: int) -> None:
+        """Read chunk ``chunk`` whole and check its crc32c; keep its first windows, which
+        the reads that follow (in storage order) want first."""
+        key = (id(array), chunk)
+        kept = 0
         for w, data in self.stream.stream(array.windows(chunk, self.window_bytes)):
-            self._remember(w, data)
-        self._verified.add((id(array), chunk))
+            if w.elems and kept + w.nbytes <= self.cache.pool.capacity // 2 \
+                    and not self.cache.overlaps(key, w.offset, w.offset + w.nbytes):
+                block = self.cache.insert(key, w.offset, w.offset + w.nbytes)
+                if block is not None:
+                    block.view(w.offset, w.nbytes)[:] = data
+                    self.cache.read_ahead_from(key, block)
+                    kept += w.nbytes
+        self._verified.add(key)
 
-    def _remember(self, w: Window, data: memoryview) -> None:
-        if w.elems == 0:
-            return
-        buf = self.pool.try_acquire(w.nbytes)
-        if buf is None:
-            while self._cache and buf is None:
-                self._cache.popitem(last=False)[1].release()
-                buf = self.pool.try_acquire(w.nbytes)
-            if buf is None:
-                return
-        buf.memoryview(w.nbytes)[:] = data
-        self._cache[(id(w.array), w.chunk, w.offset)] = buf
-        self._cache.move_to_end((id(w.array), w.chunk, w.offset))
-        while len(self._cache) > self._cache_windows:
-            self._cache.popitem(last=False)[1].release()
-
-    def _copy_verified(self, array: ChunkedArray, chunk: int, lo: int, hi: int,
-                       dst: memoryview) -> None:
-        """Elements [lo, hi) of a verified chunk into the bytes ``dst``: from cached
-        windows, or read again."""
+    def _copy_cached(self, array: ChunkedArray, chunk: int, lo: int, hi: int,
+                     dst: memoryview) -> None:
+        """Elements [lo, hi) of a present chunk into the bytes ``dst``: from cached blocks,
+        a missing one read first."""
         flat, size = array.flat, array.itemsize
+        key = (id(array), chunk)
         base = chunk * flat.chunk_elems
         pos = lo
         while pos < hi:
-            off = (pos - base) * size // self.window_bytes * self.window_bytes
-            w_end = min(hi, base + (off + self.window_bytes) // size)
-            buf: PooledBuffer | None = self._cache.get((id(array), chunk, off))
-            piece = dst[(pos - lo) * size:(w_end - lo) * size]
-            if buf is not None:
-                self._cache.move_to_end((id(array), chunk, off))
-                start = (pos - base) * size - off
-                piece[:] = buf.memoryview(start + len(piece))[start:]
-            else:
-                flat.read_into(pos, w_end, piece).result()
-            pos = w_end
+            offset = (pos - base) * size
+            block = self.cache.find(key, offset) or self._fetch(array, chunk, offset)
+            if block is None:  # the cache cannot hold a block: read straight in
+                flat.read_into(pos, hi, dst[(pos - lo) * size:]).result()
+                return
+            n = min(hi - pos, (block.end - offset) // size)
+            dst[(pos - lo) * size:(pos - lo + n) * size] = block.view(offset, n * size)
+            pos += n
+
+    def _fetch(self, array: ChunkedArray, chunk: int, offset: int) -> Block | None:
+        """Read the block the cache plans for a miss at byte ``offset`` of the chunk file."""
+        flat = array.flat
+        key = (id(array), chunk)
+        elems = min(flat.chunk_elems, flat.numel - chunk * flat.chunk_elems)
+        limit = min(flat.chunk_bytes, -(-elems * flat.itemsize // PAGE) * PAGE)
+        start, end = self.cache.plan(key, offset, limit)
+        block = self.cache.insert(key, start, end)
+        if block is None:
+            return None
+        try:
+            self.io.read(flat.chunk_path(chunk), start, block.buf, end - start).result()
+        except BaseException:
+            self.cache.discard(block)
+            raise
+        self.cache.misses += 1
+        self.cache.bytes_read += end - start
+        return block
 
     def close(self) -> None:
-        while self._cache:
-            self._cache.popitem()[1].release()
+        self.cache.close()
