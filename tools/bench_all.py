@@ -35,8 +35,17 @@ wall time; the whole run records the machine (CPU model, cores, RAM, the disk un
         --deepspeed-python /work/dsvenv/bin/python
     python tools/bench_all.py --full --dry-run        # the commands it would run, nothing run
 
-``--only io,startup`` runs a subset (names: ``--dry-run`` lists them). Exit code 1 when a
-benchmark failed, 0 otherwise (skipped ones included).
+``--only io,startup`` runs a subset (names: ``--dry-run`` lists them). The report is written
+to ``--out`` after every benchmark; ``--resume`` carries on the run there (same mode, same
+machine and disk, else refused): what finished is kept, what --only names or what did not
+finish runs, the rest is ``pending``. ``--full`` takes more hours than most people leave a
+machine alone, so it can be run in sittings:
+
+    python tools/bench_all.py --full --out results/full --only io,store,checkpoint
+    python tools/bench_all.py --full --out results/full --resume   # everything not yet done
+
+Each benchmark records its own date and commit. Exit code 1 when a benchmark failed, 0
+otherwise (skipped and pending ones included).
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, TOOLS)
 
+from bench_all_report import headline, load_previous, write_report  # noqa: E402
 from bench_step import run_group  # noqa: E402  (kills the tool's whole session on timeout)
 
 DEEPSPEED_PYTHON_ENV = "OFFLOAD_ENGINE_DEEPSPEED_PYTHON"
@@ -373,121 +383,6 @@ def run_entry(b: Bench, entry: dict, log) -> dict:
     return entry
 
 
-# -- the headline -------------------------------------------------------------------------------
-def dig(obj, *keys):
-    """``obj[k1][k2]...``, or None where a key is missing."""
-    for k in keys:
-        if not isinstance(obj, (dict, list)):
-            return None
-        try:
-            obj = obj[k]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return obj
-
-
-def fmt(x, spec=".3g", suffix="") -> str:
-    return "?" if x is None else f"{x:{spec}}{suffix}"
-
-
-def count(n) -> str:
-    """Parameters as people write them: 181 k, 20.3 M, 2.70 B."""
-    if n is None:
-        return "?"
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.3g} {unit}"
-    return str(n)
-
-
-def _step_line(r: dict) -> str:
-    parts = []
-    for name, run in (r.get("results") or {}).items():
-        if "error" in run:
-            parts.append(f"{name}: failed ({run['error']})")
-        elif name.startswith("deepspeed"):
-            parts.append(f"ours / {name} iteration {fmt(dig(run, 'ours_over_deepspeed', 'iteration'))}x, "
-                         f"step {fmt(dig(run, 'ours_over_deepspeed', 'step'))}x")
-        else:
-            parts.append(f"{name}: NVMe / max(I/O, compute) {fmt(run.get('ratio_nvme_over_bound'), '.3f')}, "
-                         f"NVMe / in-memory {fmt(run.get('ratio_nvme_over_cpu'), '.3f')}")
-    return "; ".join(parts)
-
-
-def _train_line(r: dict) -> str:
-    z = r.get("zeromuon") or {}
-    if "error" in z:
-        return f"ZeroMuon failed ({z['error']})"
-    line = (f"{count(r.get('params'))} parameters, state {fmt(z.get('state_over_ram'))}x RAM: "
-            f"step / bound {fmt(z.get('step_over_bound'), '.3f')} (bound: {z.get('bound_is')}), "
-            f"bytes / formula {fmt(dig(z, 'moved_over_formula', 0), '.3f')}, "
-            f"peak RSS {fmt(z.get('peak_rss_over_ram'), '.3f')} of RAM")
-    ds = r.get("deepspeed")
-    if ds:
-        line += ("; DeepSpeed: " + (ds.get("skipped") or (f"failed ({ds['error']})" if "error" in ds else
-                 f"ours / DeepSpeed iteration {fmt(dig(ds, 'ours_over_deepspeed', 'iteration'))}x")))
-    return line
-
-
-def headline(name: str, r: dict) -> str:
-    """The one line of the headline table for a tool's JSON (``?`` where a figure is absent)."""
-    kind = name.split("_")[0]
-    if kind == "io":
-        w, rd = dig(r, "best_peer", "write"), dig(r, "best_peer", "read")
-        return (f"engine / best peer: write {fmt(dig(w, 'engine_vs_best'))}x ({dig(w, 'method')}), "
-                f"read {fmt(dig(rd, 'engine_vs_best'))}x ({dig(rd, 'method')})")
-    if kind == "store":
-        return (f"wall / bound {fmt(dig(r, 'compute_bound', 'median_wall_over_bound'))} compute-bound, "
-                f"{fmt(dig(r, 'io_bound', 'median_wall_over_bound'))} I/O-bound")
-    if kind == "step":
-        return _step_line(r)
-    if kind == "checkpoint":
-        return (f"blocking save at {fmt(dig(r, 'blocking', 'gbps_vs_fio_write'))} of fio's write; "
-                f"asynchronous: {fmt(dig(r, 'async', 'exposed'))} of it exposed")
-    if kind == "consolidate":
-        return (f"{fmt(r.get('speedup'))}x faster than zero_to_fp32, {fmt(r.get('rss_ratio'), '.3f')} "
-                f"of its peak RSS, equal: {dig(r, 'outputs_equal', 'equal')}; wall / fio bound "
-                f"{fmt(dig(r, 'throughput', 'ours_wall_over_disk_bound'))}, peak RSS "
-                f"{fmt((dig(r, 'methods', 'ours', 'peak_rss_bytes_median') or 0) / 2**20, '.0f')} MiB")
-    if kind == "import":
-        return (f"wall / fio bound {fmt(dig(r, 'throughput', 'wall_over_disk_bound'))}, peak RSS "
-                f"{fmt((dig(r, 'import', 'peak_rss_bytes_median') or 0) / 2**20, '.0f')} MiB")
-    if kind == "inspect":
-        read_mb = (dig(r, "list", "read_bytes") or 0) / 1e6
-        return (f"listing {fmt(dig(r, 'list', 'seconds'))} s, {fmt(read_mb)} MB read; "
-                f"--stats at {fmt(dig(r, 'stats', 'ratio_vs_fio'))}x fio")
-    if kind == "startup":
-        return f"plan in {fmt(dig(r, 'over_import_torch', 'plan_llama70b_w64'))}x the time of import torch"
-    if kind == "train":
-        return _train_line(r)
-    return "see the JSON"
-
-
-def table(report: dict) -> str:
-    """The headline table (docs/benchmarks.md's: benchmark, latest result, date), then the
-    commands and where the figures come from."""
-    m, date = report["machine"], report["date"][:10]
-    lines = [f"# bench_all --{report['mode']}", "",
-             "| benchmark | latest result | date |", "| --- | --- | --- |"]
-    for name, e in report["benchmarks"].items():
-        status = e.get("status")
-        result = (e.get("headline") if status == "ok" else
-                  f"{status}: {e.get('why', '')}".rstrip(": "))
-        if e.get("peers_skipped"):
-            result += " (without " + ", ".join(sorted(e["peers_skipped"])) + ")"
-        lines.append(f"| `{name}`: {e['title']} | {result.replace('|', '/')} | {date} |")
-    lines += ["", "Commands:", ""]
-    lines += [f"- `{name}`: `{e['command']}`" for name, e in report["benchmarks"].items()]
-    disk = m["disk"]
-    lines += ["", f"Measured: {m['cpu_model']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.1f} GiB RAM, "
-              f"{disk['fstype']} on {disk['device']} ({disk.get('model') or 'model unknown'}), "
-              f"{report['date']}, commit {report['git']['commit']}"
-              f"{' (uncommitted changes)' if report['git']['dirty'] else ''}, load average "
-              f"{report['loadavg_before'][0]:.2f} before and {report['loadavg_after'][0]:.2f} after, "
-              f"`python tools/bench_all.py --{report['mode']}`.", ""]
-    return "\n".join(lines)
-
-
 # -- the driver ---------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -503,6 +398,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepspeed-python", default=os.environ.get(DEEPSPEED_PYTHON_ENV),
                    help=f"interpreter with deepspeed 0.19.8 (default ${DEEPSPEED_PYTHON_ENV}; "
                         "'' to run without DeepSpeed)")
+    p.add_argument("--resume", action="store_true",
+                   help="carry on the run in --out: keep its benchmarks that finished ok and run "
+                        "the rest (those named by --only again); the report is written after "
+                        "each benchmark, so a run cut short loses nothing")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (commands, what is skipped and why) as JSON; run nothing")
     return p.parse_args(argv)
@@ -511,39 +410,57 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = lambda msg: print(f"bench_all: {msg}", file=sys.stderr, flush=True)
+    if args.resume and not args.out:
+        print("bench_all: --resume needs --out (the folder of the run to carry on)", file=sys.stderr)
+        return 2
     made_path = args.path is None
     path = os.path.abspath(args.path or tempfile.mkdtemp(prefix="bench_all."))
     os.makedirs(path, exist_ok=True)
+    out = os.path.abspath(args.out or f"bench_all-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         machine = machine_facts(path)
         benches = {"tiny": plan_tiny, "quick": plan_quick,
                    "full": lambda: plan_full(machine["ram_bytes"])}[args.mode]()
-        if args.only:
-            wanted = set(args.only.split(","))
+        wanted = set(args.only.split(",")) if args.only else None
+        if wanted:
             unknown = wanted - {b.name for b in benches}
             if unknown:
                 print(f"bench_all: no benchmark named {sorted(unknown)} in --{args.mode}: "
                       f"{[b.name for b in benches]}", file=sys.stderr)
                 return 2
-            benches = [b for b in benches if b.name in wanted]
+            if not args.resume:
+                benches = [b for b in benches if b.name in wanted]
+        previous = load_previous(out, args.mode, machine) if args.resume else {}
+        kept = {n: e for n, e in previous.get("benchmarks", {}).items() if e.get("status") == "ok"}
         missing = find_peers(args.deepspeed_python)
         fill = {"path": path, "ds": args.deepspeed_python or ""}
-        report = {"mode": args.mode, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "git": git_commit(), "machine": machine,
+        session = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_commit(),
+                   "loadavg_before": os.getloadavg()}
+        report = {"mode": args.mode, "date": previous.get("date", session["date"]),
+                  "git": session["git"], "machine": machine,
                   "missing": {k: v for k, v in missing.items() if v},
-                  "loadavg_before": os.getloadavg(), "benchmarks": {}}
+                  "loadavg_before": session["loadavg_before"], "benchmarks": {},
+                  "sessions": previous.get("sessions", []) + [session]}
+        to_run = []
         for b in benches:
             entry = plan_entry(b, missing, {**fill, "work": os.path.join(path, b.name)})
-            disk = too_little_disk(b, path)
-            if disk and args.dry_run:   # when running, free space is measured before each
-                entry.update(status="skipped", why="; ".join(filter(None, [entry.get("why"), disk])))
+            if b.name in kept and not (wanted and b.name in wanted):
+                entry = kept[b.name]   # measured by an earlier session of this run
+            elif wanted and b.name not in wanted:   # --resume --only: the rest waits
+                entry = previous.get("benchmarks", {}).get(b.name) or {
+                    **entry, "status": "pending", "why": "not run yet (--only)"}
+            else:
+                to_run.append(b)
+                disk = too_little_disk(b, path)
+                if disk and args.dry_run:   # when running, free space is measured before each
+                    entry.update(status="skipped", why="; ".join(filter(None, [entry.get("why"), disk])))
             report["benchmarks"][b.name] = entry
         if args.dry_run:
             report["dry_run"] = True
             report["loadavg_after"] = os.getloadavg()
             print(json.dumps(report, indent=2))
             return 0
-        for b in benches:
+        for b in to_run:
             entry = report["benchmarks"][b.name]
             disk = too_little_disk(b, path)
             if disk:
@@ -556,27 +473,23 @@ def main(argv=None) -> int:
             work = os.path.join(path, b.name)
             os.makedirs(work, exist_ok=True)
             log(f"{b.name}: {b.title}")
+            entry.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git=session["git"])
             run_entry(b, entry, log)
             shutil.rmtree(work, ignore_errors=True)
             if entry["status"] == "ok":
                 entry["headline"] = headline(b.name, entry["result"])
             log(f"{b.name}: {entry['status']} in {entry.get('wall_s', 0):.0f} s: "
                 f"{entry.get('headline') or entry.get('why')}")
-        report["loadavg_after"] = os.getloadavg()
+            report["loadavg_after"] = session["loadavg_after"] = os.getloadavg()
+            write_report(out, report)   # a run cut short keeps what it measured (--resume)
+        report["loadavg_after"] = session["loadavg_after"] = os.getloadavg()
     finally:
         if made_path:
             shutil.rmtree(path, ignore_errors=True)
-    out = os.path.abspath(args.out or f"bench_all-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(out, exist_ok=True)
-    text = json.dumps(report, indent=2)
-    with open(os.path.join(out, "bench_all.json"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(out, "bench_all.md"), "w") as f:
-        f.write(table(report))
+    text = write_report(out, report)
     print(text)
     log(f"wrote {out}/bench_all.json and bench_all.md")
     return 1 if any(e.get("status") == "failed" for e in report["benchmarks"].values()) else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -328,6 +328,48 @@ def smoke_bench_all(tmp_path):
     assert all(f"| `{name}`" in table for name in out["benchmarks"])
 
 
+def smoke_bench_all_resume(tmp_path):
+    """A --full run takes hours: it is carried on in sittings. --resume keeps what finished
+    (not run again), runs what --only names, marks the rest pending; the table says when each
+    figure was measured; a run of another mode is refused."""
+    out_dir = tmp_path / "out"
+    base = ["bench_all.py", "--tiny", "--deepspeed-python", "", "--path", str(tmp_path / "work"),
+            "--out", str(out_dir)]
+    first = run_json(base + ["--only", "startup"], tmp_path)
+    assert list(first["benchmarks"]) == ["startup"]
+    second = run_json(base + ["--resume", "--only", "io"], tmp_path)
+    entries = second["benchmarks"]
+    assert entries["startup"] == first["benchmarks"]["startup"]   # kept, not run again
+    assert entries["io"]["status"] == "ok" and entries["io"]["date"] >= entries["startup"]["date"]
+    pending = {n for n, e in entries.items() if e["status"] == "pending"}
+    assert pending == set(entries) - {"io", "startup"} and pending
+    assert len(second["sessions"]) == 2 and second["date"] == first["date"]
+    assert json.loads((out_dir / "bench_all.json").read_text()) == second
+    table = (out_dir / "bench_all.md").read_text()
+    assert "in 2 sessions" in table and "| `store`: " in table and "pending" in table
+    plan = run_json(base + ["--resume", "--dry-run"], tmp_path)["benchmarks"]
+    assert plan["io"] == entries["io"] and "status" not in plan["store"]   # only the rest would run
+    refused = subprocess.run([sys.executable, str(TOOLS / "bench_all.py"), "--quick", "--resume",
+                              "--dry-run", "--out", str(out_dir), "--path", str(tmp_path / "work")],
+                             capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    assert refused.returncode != 0 and "--tiny run, not --quick" in refused.stderr
+
+
+def smoke_bench_all_report(tmp_path):
+    """The table rendered again from a run's JSON is the one the run wrote; a file that is
+    not a report is refused with its name."""
+    out_dir = tmp_path / "out"
+    run(["bench_all.py", "--tiny", "--only", "startup", "--deepspeed-python", "", "--out",
+         str(out_dir)], tmp_path)
+    rendered = run(["bench_all_report.py", str(out_dir / "bench_all.json")], tmp_path).stdout
+    assert rendered == (out_dir / "bench_all.md").read_text() and "| `startup`: " in rendered
+    (tmp_path / "bad.json").write_text("[]")
+    bad = subprocess.run([sys.executable, str(TOOLS / "bench_all_report.py"),
+                          str(tmp_path / "bad.json")], capture_output=True, text=True,
+                         timeout=SMOKE_TIMEOUT_S)
+    assert bad.returncode == 2 and "bad.json" in bad.stderr
+
+
 def smoke_bench_all_dry_run(tmp_path):
     """--full --dry-run prints the plan of issue 32's sizes and runs nothing; without fio on
     PATH the benchmarks that need it are skipped with why, and without DeepSpeed the peers."""
@@ -472,6 +514,8 @@ def smoke_regen_cli_help(tmp_path):
 CASES = {
     "bench_all.py": (smoke_bench_all, []),
     "bench_all.py[dry-run]": (smoke_bench_all_dry_run, []),
+    "bench_all.py[resume]": (smoke_bench_all_resume, []),
+    "bench_all_report.py": (smoke_bench_all_report, []),
     "bench_checkpoint.py": (smoke_bench_checkpoint, [needs_fio]),
     "bench_consolidate.py": (smoke_bench_consolidate, [needs_fio, needs_time]),
     "bench_consolidate.py[deepspeed]": (smoke_bench_consolidate_deepspeed,
