@@ -90,11 +90,18 @@ def test_interleaved_arrays_in_random_order_read_right(tmp_path, io, reader):
         cuts = sorted(rng.sample(range(1, len(values)), 400)) + [len(values)]
         ranges += [(i, lo, hi) for lo, hi in zip([0] + cuts[:-1], cuts)]
     storage_order = sorted(ranges, key=lambda r: (r[1], r[0]))  # ranks in turn
+    data = sum(len(values) * 4 for _, values in arrays)
+    moved = []
     for order in (storage_order, rng.sample(ranges, len(ranges))):
+        io.reset_stats()
         for i, lo, hi in order:
             array, values = arrays[i]
             np.testing.assert_array_equal(read_range(reader, array, lo, hi), values[lo:hi])
-    assert reader.cache.pool.capacity == CACHE  # the blocks never held more than the budget
+        moved.append(io.reset_stats().bytes_read)
+    # more arrays in turn than the cache holds blocks: they shrink rather than be read again
+    # and again at full size (64 KiB for each ~3 KB range would be ~20x the data); the
+    # first pass also verifies every chunk (the data once more)
+    assert moved[0] <= 4 * data, (moved, data)
 
 
 def test_a_corrupt_chunk_is_caught_before_any_of_its_bytes_are_served(tmp_path, io, reader):

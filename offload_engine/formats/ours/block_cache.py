@@ -5,12 +5,13 @@ hundreds of thousands of ranges of a few hundred bytes each, one after another i
 order. Reading each one from the disk on its own costs a system call and a wake-up of the
 I/O threads per tensor (at 100,000 tensors of 1 KB that was a minute of a 100 MB
 consolidate). Instead a read that misses the cache fetches a *block*: page-aligned, as the
-kernel's read-ahead does, small (``min_block`` bytes) after a jump, doubled for each miss
+kernel's read-ahead does, small (``min_block`` bytes, 16 KiB) after a jump, doubled for each miss
 that carries on where the previous block of that chunk file ended, up to ``max_block``, and
 halved when a miss falls inside a block already read (the block was evicted before it was
-used up: too many files are being read in turn for blocks that large). Random order costs
-one small read per tensor; storage order costs one read per ``max_block``; many arrays read
-in turn settle at about the budget divided among them.
+used up: too many files are being read in turn for blocks that large), down to a page.
+Random order costs one small read per tensor; storage order costs one read per
+``max_block``; many arrays read in turn settle at about the budget divided among them, and
+more of them than the budget holds blocks for at a page per read, as without a cache.
 
 Blocks of one chunk file never overlap (a new one stops where a cached one starts), so the
 block holding a byte is the cached one with the largest start at or before it. The blocks
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from ...io import BufferPool, PooledBuffer
 from ...units import PAGE
 
-MIN_BLOCK = 64 << 10  # bytes: a small read costs about what a 4 KiB one does on an SSD
+MIN_BLOCK = 16 << 10  # bytes: a read after a jump; an SSD reads it about as fast as 4 KiB
 
 
 @dataclass(eq=False)
@@ -102,7 +103,7 @@ class BlockCache:
             if l_end <= offset < l_end + max(l_size, self.min_block):
                 size = min(self.max_block, l_size * 2)  # carries on: read further ahead
             elif l_start <= offset < l_end:
-                size = max(self.min_block, l_size // 2)  # evicted before use: smaller
+                size = max(PAGE, l_size // 2)  # evicted before use: smaller, down to a page
         start = offset // PAGE * PAGE
         end = min(limit, start + size)
         starts = self._starts.get(key)

@@ -221,8 +221,9 @@ class RangeReader:
         self.window_bytes = window_bytes
         self.stream = WindowStream(io, pool, depth=1)
         self.cache = BlockCache(cache_bytes, max_block=min(window_bytes, cache_bytes // 4))
-        self._verified: set[tuple[int, int]] = set()
-        self._present: dict[tuple[int, int], bool] = {}
+        # keyed by (array, chunk): the key holds the array, so its identity is never reused
+        self._verified: set[tuple[ChunkedArray, int]] = set()
+        self._present: dict[tuple[ChunkedArray, int], bool] = {}
 
     def read(self, array: ChunkedArray, lo: int, hi: int, out: memoryview) -> None:
         """Elements ``[lo, hi)`` of ``array`` into the bytes ``out``."""
@@ -234,7 +235,7 @@ class RangeReader:
             end = min(hi, (chunk + 1) * ce)
             dst = out[(pos - lo) * size:(end - lo) * size]
             if array.verified(chunk):
-                if (id(array), chunk) not in self._verified:
+                if (array, chunk) not in self._verified:
                     self._verify(array, chunk)
                 self._copy_cached(array, chunk, pos, end, dst)
             elif flat.direct and self._is_present(array, chunk):
@@ -245,7 +246,7 @@ class RangeReader:
 
     def _is_present(self, array: ChunkedArray, chunk: int) -> bool:
         """Whether an unchecksummed chunk has its file (asked once per chunk)."""
-        key = (id(array), chunk)
+        key = (array, chunk)
         present = self._present.get(key)
         if present is None:
             present = self._present[key] = chunk_present(array, chunk)
@@ -254,7 +255,7 @@ class RangeReader:
     def _verify(self, array: ChunkedArray, chunk: int) -> None:
         """Read chunk ``chunk`` whole and check its crc32c; keep its first windows, which
         the reads that follow (in storage order) want first."""
-        key = (id(array), chunk)
+        key = (array, chunk)
         kept = 0
         for w, data in self.stream.stream(array.windows(chunk, self.window_bytes)):
             if w.elems and kept + w.nbytes <= self.cache.pool.capacity // 2 \
@@ -271,7 +272,7 @@ class RangeReader:
         """Elements [lo, hi) of a present chunk into the bytes ``dst``: from cached blocks,
         a missing one read first."""
         flat, size = array.flat, array.itemsize
-        key = (id(array), chunk)
+        key = (array, chunk)
         base = chunk * flat.chunk_elems
         pos = lo
         while pos < hi:
@@ -287,7 +288,7 @@ class RangeReader:
     def _fetch(self, array: ChunkedArray, chunk: int, offset: int) -> Block | None:
         """Read the block the cache plans for a miss at byte ``offset`` of the chunk file."""
         flat = array.flat
-        key = (id(array), chunk)
+        key = (array, chunk)
         elems = min(flat.chunk_elems, flat.numel - chunk * flat.chunk_elems)
         limit = min(flat.chunk_bytes, -(-elems * flat.itemsize // PAGE) * PAGE)
         start, end = self.cache.plan(key, offset, limit)
