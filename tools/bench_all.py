@@ -88,6 +88,7 @@ class Bench:
     needs: tuple[str, ...] = ()
     deepspeed: tuple[str, ...] = ()   # the flags that add DeepSpeed, "{ds}" in them
     no_deepspeed: tuple[str, ...] = ()   # the flags that leave it out, where it is missing
+    peer: str = "deepspeed"   # what DeepSpeed must do here: "deepspeed" or "zero_to_fp32"
     disk_bytes: int = 0
     timeout_s: float = 3600
 
@@ -120,8 +121,8 @@ def checkpoint_chain(label: str, params: float, make_extra: list, extra: list,
         Bench(f"consolidate_{label}", f"consolidate {label} vs zero_to_fp32 and the fio bound",
               tool("bench_consolidate.py", "--path", "{work}", "--checkpoint", ckpt, *extra),
               before=[ensure], needs=("fio", "time"), deepspeed=("--deepspeed-python", "{ds}"),
-              no_deepspeed=("--deepspeed-python", ""), disk_bytes=size + size // 4,
-              timeout_s=timeout),
+              no_deepspeed=("--deepspeed-python", ""), peer="zero_to_fp32",
+              disk_bytes=size + size // 4, timeout_s=timeout),
         Bench(f"import_{label}", f"import deepspeed {label} vs the fio bound",
               tool("bench_import.py", "--path", "{work}", "--checkpoint", ckpt, *extra),
               before=[ensure], after=[["rm", "-rf", ckpt]], needs=("fio", "time"),
@@ -145,7 +146,7 @@ def plan_tiny() -> list[Bench]:
         Bench("consolidate", "consolidate vs zero_to_fp32 and the fio bound",
               tool("bench_consolidate.py", "--path", "{work}", "--smoke"), needs=("fio", "time"),
               deepspeed=("--deepspeed-python", "{ds}"), no_deepspeed=("--deepspeed-python", ""),
-              timeout_s=900),
+              peer="zero_to_fp32", timeout_s=900),
         Bench("import", "import deepspeed vs the fio bound",
               tool("bench_import.py", "--path", "{work}", "--smoke"), needs=("fio", "time"),
               timeout_s=300),
@@ -283,9 +284,22 @@ def git_commit() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
+def _python_imports(python: str, modules: str) -> str | None:
+    """Why ``python`` cannot ``import modules`` (its last line of error), or None."""
+    try:
+        ok = subprocess.run([python, "-c", f"import {modules}"], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python}: {e}"
+    if ok.returncode == 0:
+        return None
+    return f"{python} cannot import {modules}: {(ok.stderr.strip().splitlines() or ['?'])[-1]}"
+
+
 def find_peers(deepspeed_python: str | None) -> dict:
-    """What is available: {"fio": why-not or None, "time": ..., "deepspeed": ..., ...}, and
-    the interpreter that imports deepspeed."""
+    """What is available: {"fio": why-not or None, "time": ..., "deepspeed": ...,
+    "zero_to_fp32": ..., ...}: DeepSpeed's zero_to_fp32 also needs huggingface_hub and
+    safetensors for the sharded safetensors output it is compared on."""
     missing = {"fio": None if shutil.which("fio") else "fio is not installed (apt-get install fio)",
                "time": None if os.path.exists("/usr/bin/time")
                else "/usr/bin/time is missing (apt-get install time)"}
@@ -295,14 +309,9 @@ def find_peers(deepspeed_python: str | None) -> dict:
         missing["deepspeed"] = (f"no interpreter with deepspeed: pass --deepspeed-python or set "
                                 f"{DEEPSPEED_PYTHON_ENV}")
     else:
-        try:
-            ok = subprocess.run([deepspeed_python, "-c", "import deepspeed"], capture_output=True,
-                                text=True, timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-            missing["deepspeed"] = None if ok.returncode == 0 else (
-                f"{deepspeed_python} cannot import deepspeed: "
-                f"{(ok.stderr.strip().splitlines() or ['?'])[-1]}")
-        except (OSError, subprocess.TimeoutExpired) as e:
-            missing["deepspeed"] = f"{deepspeed_python}: {e}"
+        missing["deepspeed"] = _python_imports(deepspeed_python, "deepspeed")
+    missing["zero_to_fp32"] = missing["deepspeed"] or _python_imports(
+        deepspeed_python, "huggingface_hub, safetensors")
     return missing
 
 
@@ -328,8 +337,8 @@ def plan_entry(b: Bench, missing: dict, fill: dict) -> dict:
         entry.update(status="skipped", why="; ".join(why))
     argv = list(b.argv)
     if b.deepspeed:
-        if missing.get("deepspeed"):
-            entry["peers_skipped"] = {"deepspeed": missing["deepspeed"]}
+        if missing.get(b.peer):
+            entry["peers_skipped"] = {b.peer: missing[b.peer]}
             argv += list(b.no_deepspeed)
         else:
             argv += list(b.deepspeed)

@@ -397,6 +397,18 @@ def smoke_bench_all_dry_run(tmp_path):
     assert "status" not in plan["io"] and "fio" in plan["io"]["peers_skipped"]
     assert "deepspeed" in plan["step_1b_muon"]["peers_skipped"]
     assert "--deepspeed-python" not in plan["step_1b_muon"]["command"]
+    # an interpreter with deepspeed but without huggingface_hub (which zero_to_fp32 needs for
+    # safetensors output): DeepSpeed runs beside the step, consolidate says why it runs alone
+    fake = tmp_path / "dspython"
+    fake.write_text('#!/bin/sh\ncase "$2" in *huggingface_hub*) echo "ModuleNotFoundError: '
+                    'No module named huggingface_hub" >&2; exit 1;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(cmd[:-1] + [str(fake)], capture_output=True, text=True,
+                          timeout=SMOKE_TIMEOUT_S)
+    plan = json.loads(proc.stdout)["benchmarks"]
+    assert f"--deepspeed-python {fake}" in plan["step_1b_muon"]["command"]
+    assert "huggingface_hub" in plan["consolidate_2700m"]["peers_skipped"]["zero_to_fp32"]
+    assert "--deepspeed-python ''" in plan["consolidate_2700m"]["command"]
 
 
 def smoke_bench_store(tmp_path):
