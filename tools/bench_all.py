@@ -15,7 +15,7 @@ Modes:
   checkpoints of 270 M and 2.7 B parameters against the fio bound and zero_to_fp32; inspect;
   plan start-up; a decoder of at least 3 B parameters whose optimizer state is 1.1x this
   machine's RAM or more (both rules, against DeepSpeed; the Muon rule's smaller state per
-  parameter takes 3.4 B at 25 GB of RAM). Hours, and about 90 GB of free disk at ``--path`` (the 2.7 B
+  parameter takes 3.4 B at 25 GB of RAM). Hours, and about 70 GB of free disk at ``--path`` (the 2.7 B
   checkpoint and its import at once);
 - ``--tiny``: every tool's ``--smoke`` (seconds each; figures mean nothing): checks that the
   whole chain runs.
@@ -91,6 +91,8 @@ class Bench:
     peer: str = "deepspeed"   # what DeepSpeed must do here: "deepspeed" or "zero_to_fp32"
     disk_bytes: int = 0
     timeout_s: float = 3600
+    input_dir: str = ""   # what "before" makes when it is not there ("{path}/..."), and its bytes
+    input_bytes: int = 0
 
 
 def tool(name: str, *args) -> list[str]:
@@ -116,17 +118,20 @@ def checkpoint_chain(label: str, params: float, make_extra: list, extra: list,
     # made once, by whichever of the two runs first (a folder without `latest` is a torn one)
     ensure = ["sh", "-c", f'test -e "$0/latest" || ( rm -rf "$0" && {shlex.join(make)} --out "$0" )',
               ckpt]
-    size = int(params * 16)   # bytes: fp32 masters, two moments, model states
+    # bytes: the checkpoint holds fp32 masters and two moments (12 B per parameter; 32.2 GB
+    # at 2.7 B), and so does its import; consolidate writes the fp32 weights; fio's file
+    size, fio = int(params * 12.5), int(2.2 * GiB)
     return [
         Bench(f"consolidate_{label}", f"consolidate {label} vs zero_to_fp32 and the fio bound",
               tool("bench_consolidate.py", "--path", "{work}", "--checkpoint", ckpt, *extra),
               before=[ensure], needs=("fio", "time"), deepspeed=("--deepspeed-python", "{ds}"),
               no_deepspeed=("--deepspeed-python", ""), peer="zero_to_fp32",
-              disk_bytes=size + size // 4, timeout_s=timeout),
+              disk_bytes=int(params * 4.1) + fio, input_dir=ckpt, input_bytes=size,
+              timeout_s=timeout),
         Bench(f"import_{label}", f"import deepspeed {label} vs the fio bound",
               tool("bench_import.py", "--path", "{work}", "--checkpoint", ckpt, *extra),
               before=[ensure], after=[["rm", "-rf", ckpt]], needs=("fio", "time"),
-              disk_bytes=size, timeout_s=timeout)]
+              disk_bytes=size + fio, input_dir=ckpt, input_bytes=size, timeout_s=timeout)]
 
 
 def plan_tiny() -> list[Bench]:
@@ -322,10 +327,14 @@ def command_of(argv: list[str], fill: dict) -> str:
 
 
 def too_little_disk(b: Bench, path: str) -> str | None:
-    """Why ``b`` cannot run for want of free disk at ``path`` (measured now), or None."""
+    """Why ``b`` cannot run for want of free disk at ``path`` (measured now), or None: what
+    it writes, and its input where that is still to be made."""
     free = shutil.disk_usage(path).free
-    if b.disk_bytes and b.disk_bytes > free:
-        return f"needs about {b.disk_bytes / 1e9:.0f} GB free at --path, {free / 1e9:.0f} GB there"
+    need = b.disk_bytes
+    if b.input_dir and not os.path.exists(os.path.join(b.input_dir.format(path=path), "latest")):
+        need += b.input_bytes
+    if need > free:
+        return f"needs about {need / 1e9:.0f} GB free at --path, {free / 1e9:.0f} GB there"
     return None
 
 
