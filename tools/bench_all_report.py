@@ -45,8 +45,9 @@ def count(n) -> str:
 def _step_line(r: dict) -> str:
     parts = []
     for name, run in (r.get("results") or {}).items():
-        if "error" in run:
-            parts.append(f"{name}: failed ({run['error']})")
+        if "error" in run:   # with its last line: how it ended (a SIGKILL is the OOM killer's)
+            last = (run.get("stderr_tail") or [""])[-1].strip()[-120:]
+            parts.append(f"{name}: failed ({run['error']}{': ' + last if last else ''})")
         elif name.startswith("deepspeed"):
             parts.append(f"ours / {name} iteration {fmt(dig(run, 'ours_over_deepspeed', 'iteration'))}x, "
                          f"step {fmt(dig(run, 'ours_over_deepspeed', 'step'))}x")
@@ -120,8 +121,8 @@ def table(report: dict) -> str:
                   f"{status}: {e.get('why', '')}".rstrip(": "))
         if e.get("peers_skipped"):
             result += " (without " + ", ".join(sorted(e["peers_skipped"])) + ")"
-        lines.append(f"| `{name}`: {e['title']} | {result.replace('|', '/')} | "
-                     f"{e.get('date', date)[:10]} |")
+        when = "-" if status == "pending" else e.get("date", date)[:10]
+        lines.append(f"| `{name}`: {e['title']} | {result.replace('|', '/')} | {when} |")
     lines += ["", "Commands:", ""]
     lines += [f"- `{name}`: `{e['command']}`" for name, e in report["benchmarks"].items()]
     disk = m["disk"]

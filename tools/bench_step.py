@@ -601,7 +601,10 @@ def main(argv=None) -> int:
         ],
     }
     print(json.dumps(report, indent=2))
-    return 1 if any("error" in r or "error" in r.get("nvme_alone", {}) for r in results.values()) else 0
+    # a DeepSpeed run that fails (at 987 M fp32 the kernel kills it for memory) is a figure
+    # of the peer, recorded with how it ended; only our own runs failing fail the tool
+    ours = [r for name, r in results.items() if not name.startswith("deepspeed")]
+    return 1 if any("error" in r or "error" in r.get("nvme_alone", {}) for r in ours) else 0
 
 
 def deepspeed_name(rule: str, master: bool) -> str:
