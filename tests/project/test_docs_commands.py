@@ -39,6 +39,10 @@ CANNOT_RUN = [
     ("docs/benchmarks.md", r"^python tools/bench_all\.py --quick --path /nvme/bench",
      "every benchmark, minutes (--quick) to hours (--full, ~150 GB of disk); "
      "tests/tools/test_tools_smoke.py runs tools/bench_all.py --tiny --only io,startup"),
+    ("docs/benchmarks.md", r"^python tools/bench_all\.py --full --resume",
+     "carries on the --full run in results/bench_all-full (hours: the 1 B Muon step and the "
+     "3.4 B Muon training beside DeepSpeed); tests/tools/test_tools_smoke.py runs --resume on "
+     "--tiny"),
     ("docs/benchmarks.md", r"^python tools/bench_step\.py --path /nvme/bench --world 2 --dim 768",
      "steps of a 134 M and a 1 B model against DeepSpeed (installed apart, see "
      "--deepspeed-python); tests/tools/test_tools_smoke.py runs bench_step small"),
