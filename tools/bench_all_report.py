@@ -72,6 +72,11 @@ def _train_line(r: dict) -> str:
     return line
 
 
+def _bound_and_rss(wall_over_bound, peak_rss_bytes) -> str:
+    """Consolidate's and import's own figures: wall time over the fio bound, peak RSS."""
+    return f"wall / fio bound {fmt(wall_over_bound)}, peak RSS {fmt((peak_rss_bytes or 0) / 2**20, '.0f')} MiB"
+
+
 def headline(name: str, r: dict) -> str:
     """The one line of the headline table for a tool's JSON (``?`` where a figure is absent)."""
     kind = name.split("_")[0]
@@ -88,16 +93,16 @@ def headline(name: str, r: dict) -> str:
         return (f"blocking save at {fmt(dig(r, 'blocking', 'gbps_vs_fio_write'))} of fio's write; "
                 f"asynchronous: {fmt(dig(r, 'async', 'exposed'))} of it exposed")
     if kind == "consolidate":
-        ours = (f"wall / fio bound {fmt(dig(r, 'throughput', 'ours_wall_over_disk_bound'))}, peak RSS "
-                f"{fmt((dig(r, 'methods', 'ours', 'peak_rss_bytes_median') or 0) / 2**20, '.0f')} MiB")
+        ours = _bound_and_rss(dig(r, "throughput", "ours_wall_over_disk_bound"),
+                              dig(r, "methods", "ours", "peak_rss_bytes_median"))
         failed = [run for run in dig(r, "methods", "deepspeed", "runs") or [] if run.get("returncode")]
         if failed:   # the tool still measured ours: say why the comparison is missing
             return f"zero_to_fp32 failed ({(failed[-1].get('stderr_tail') or ['?'])[-1]}); {ours}"
         return (f"{fmt(r.get('speedup'))}x faster than zero_to_fp32, {fmt(r.get('rss_ratio'), '.3f')} "
                 f"of its peak RSS, equal: {dig(r, 'outputs_equal', 'equal')}; {ours}")
     if kind == "import":
-        return (f"wall / fio bound {fmt(dig(r, 'throughput', 'wall_over_disk_bound'))}, peak RSS "
-                f"{fmt((dig(r, 'import', 'peak_rss_bytes_median') or 0) / 2**20, '.0f')} MiB")
+        return _bound_and_rss(dig(r, "throughput", "wall_over_disk_bound"),
+                              dig(r, "import", "peak_rss_bytes_median"))
     if kind == "inspect":
         read_mb = (dig(r, "list", "read_bytes") or 0) / 1e6
         return (f"listing {fmt(dig(r, 'list', 'seconds'))} s, {fmt(read_mb)} MB read; "
