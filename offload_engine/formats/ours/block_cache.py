@@ -62,8 +62,6 @@ class BlockCache:
         self._starts: dict[tuple, list[int]] = {}  # per chunk file: sorted block starts
         self._blocks: dict[tuple, dict[int, Block]] = {}
         self._ahead: dict[tuple, tuple[int, int, int]] = {}  # key -> (start, end, size) of its last miss
-        self.misses = 0
-        self.bytes_read = 0
 
     def find(self, key: tuple, offset: int) -> Block | None:
         """The cached block of chunk file ``key`` that holds byte ``offset``, or None."""

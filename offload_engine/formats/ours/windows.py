@@ -300,8 +300,6 @@ class RangeReader:
         except BaseException:
             self.cache.discard(block)
             raise
-        self.cache.misses += 1
-        self.cache.bytes_read += end - start
         return block
 
     def close(self) -> None:
