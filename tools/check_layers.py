@@ -27,7 +27,7 @@ ORDER = ["io", "layout", "store", "optim", "formats", "checkpoint", "integration
          "consolidate", "migrate", "plan", "demo", "cli"]
 # Top-level modules (offload_engine/<name>.py) below every layer. "__init__" is the package
 # itself: `import offload_engine` and `from offload_engine import __version__` reach it.
-BASE = ["__init__", "errors", "units", "dtypes", "jsonlimits", "envflags"]
+BASE = ["__init__", "errors", "units", "dtypes", "jsonlimits", "envflags", "interrupts"]
 
 DEFAULT_PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "offload_engine"
 

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from ..errors import OperationTimeoutError
+from ..interrupts import deferred, wait_in_slices
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class PendingCheckpoint:
     def wait(self, timeout: float | None = None) -> str:
         """Block until committed; returns the generation's directory."""
         self._execute()
-        if not self._finished.wait(timeout):
+        if not wait_in_slices(self._finished.wait, timeout):
             raise OperationTimeoutError(f"{self.path}: checkpoint not committed after {timeout} s")
         if self._error is not None:
             raise self._error
@@ -50,8 +51,12 @@ class PendingCheckpoint:
     # -- used by save.py ------------------------------------------------------------------
     def _run(self) -> None:
         """Run the save's body (``_body``) on its own thread."""
-        # not a daemon: a script that ends right after saving still commits its checkpoint
-        threading.Thread(target=self._execute, name="oe-checkpoint").start()
+        # not a daemon: a script that ends right after saving still commits its checkpoint.
+        # Started in a section: Thread.start waits on an Event, and a signal there could
+        # leave the new thread blocked before it runs, and the interpreter's exit waiting
+        # for it (interrupts.wait_in_slices)
+        with deferred:
+            threading.Thread(target=self._execute, name="oe-checkpoint").start()
 
     def _execute(self) -> None:
         """Run the save's body if nobody has taken it yet (else return at once); however it
@@ -71,9 +76,10 @@ class PendingCheckpoint:
                 raise
         finally:
             if body is not None:
-                self.params_written.set()  # never leave a step waiting on a failed save
-                self.stats["seconds"] = time.perf_counter() - self._t0
-                self._finished.set()
+                with deferred:  # both set, whatever signal comes: waiters rely on them
+                    self.params_written.set()  # never leave a step waiting on a failed save
+                    self.stats["seconds"] = time.perf_counter() - self._t0
+                    self._finished.set()
 
 
 def wait_for_params(optimizer, *_args, **_kwargs) -> None:
@@ -83,7 +89,7 @@ def wait_for_params(optimizer, *_args, **_kwargs) -> None:
     if pending is not None and not pending.params_written.is_set():
         t0 = time.perf_counter()
         pending._execute()  # its thread never started (Ctrl-C): the save runs here
-        pending.params_written.wait()
+        wait_in_slices(pending.params_written.wait)
         pending.stats["step_waited_s"] += time.perf_counter() - t0
 
 
@@ -105,6 +111,6 @@ def finish_previous(optimizer) -> None:
     if pending is None:
         return
     pending._execute()  # its thread never started (Ctrl-C): the save runs here
-    pending._finished.wait()
+    wait_in_slices(pending._finished.wait)
     if pending._error is not None:
         log.warning("the previous checkpoint (%s) failed: %s", pending.path, pending._error)

@@ -24,6 +24,7 @@ from .align import ALIGN, address_of, aligned_host_region, round_up
 from .extents import Extents
 from .errors import PoolExhaustedError, RequestTooLargeError
 from ..errors import InputError, UsageError
+from ..interrupts import InterruptSafeCondition
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class BufferPool:
         self.pinned = False
         self._pin_undecided = pin is None
         self._extents = Extents(self.capacity)
-        self._cond = threading.Condition()
+        self._cond = InterruptSafeCondition()  # the free list is never left half updated
         self._closed = False
         if pin:
             self._pin()

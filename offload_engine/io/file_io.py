@@ -43,6 +43,7 @@ from .fd_cache import DEFAULT_MAX_FILES, DescriptorCache, OpenFile, descriptor_l
 from .requests import IOFuture, IOStats, Request
 from .settings import DIRECTIONS, DirectionSettings
 from ..errors import InputError, UsageError
+from ..interrupts import InterruptSafeCondition
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class AsyncFileIO:
         self._cursor = {op: 0 for op in DIRECTIONS}
         self._inflight = {op: 0 for op in DIRECTIONS}
         self._turn = 0
-        self._queue_cv = threading.Condition()
+        self._queue_cv = InterruptSafeCondition()  # a submit is never left half queued
         self._outstanding = {op: 0 for op in DIRECTIONS}  # requests, for the busy seconds
         self._busy_since = {op: 0.0 for op in DIRECTIONS}
         self._closed = False

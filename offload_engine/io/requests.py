@@ -9,12 +9,42 @@ import concurrent.futures
 import threading
 from dataclasses import dataclass, field
 
+from ..interrupts import deferred, wait_in_slices
+
 
 class IOFuture(concurrent.futures.Future):
     """A ``concurrent.futures.Future`` that can also be awaited from asyncio.
 
     Its result is the number of bytes moved.
     """
+
+    # waits and callbacks that a signal on the main thread cannot leave holding the
+    # future's lock, which the I/O thread that completes it would then wait on for ever
+    # (interrupts.wait_in_slices says how)
+    def result(self, timeout: float | None = None):
+        self._wait(timeout)
+        with deferred:
+            return super().result(0)
+
+    def exception(self, timeout: float | None = None):
+        self._wait(timeout)
+        with deferred:
+            return super().exception(0)
+
+    def add_done_callback(self, fn) -> None:
+        with deferred:
+            super().add_done_callback(fn)
+
+    def _wait(self, timeout: float | None) -> None:
+        if not wait_in_slices(self._done_within, timeout):
+            raise concurrent.futures.TimeoutError(f"I/O not done after {timeout} s")
+
+    def _done_within(self, seconds: float) -> bool:
+        try:
+            super().exception(seconds)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     def __await__(self):
         import asyncio  # here: 20 ms of start-up that only asyncio users should pay

@@ -71,17 +71,15 @@ class LazyViews:
 
     def __init__(self, state):
         self.state = state
-        self.sources: weakref.WeakSet[Source] = weakref.WeakSet()
-        # the same, by (parameter index, array name): a write looks at its own array's only
-        self.by_array: dict[tuple[int, str], weakref.WeakSet[Source]] = {}
+        # by (parameter index, array name): a write looks at its own array's only
+        self.sources = WeakLists()
         self.pending: list | None = None  # [Source, buffer, changed]
 
     def source(self, info, akey, shape) -> Source:
         # a change made through the buffer out is the state a new StoreTensor must show
         self.flush()
         src = Source(self, info, akey, tuple(shape))
-        self.sources.add(src)
-        self.by_array.setdefault((info.index, akey.name), weakref.WeakSet()).add(src)
+        self.sources.add((info.index, akey.name), src)
         return src
 
     def checkout(self, src: Source) -> torch.Tensor:
@@ -118,13 +116,52 @@ class LazyViews:
         self.flush()
 
         def live():
-            pool = self.sources if index is None else self.by_array.get((index, name), ())
+            pool = self.sources.live(None if index is None else (index, name))
             return [src for src in pool if src is not keep and src.data is None]
 
         if index is None and live():
             gc.collect()  # a state dict in a reference cycle is garbage, not a snapshot to keep
         for src in live():
             src.materialize()
+
+
+class WeakLists:
+    """Objects by key, held weakly, with no callback: a dead one is dropped when met (when
+    listed, or in a sweep once the lists have doubled since the last), never by the
+    collector. A ``WeakSet`` runs Python code wherever one of its objects dies, and a
+    signal's handler that runs inside it has its KeyboardInterrupt or SystemExit printed as
+    "ignored" and lost: a training loop went on after Ctrl-C (the signal trials)."""
+
+    def __init__(self):
+        self._refs: dict = {}   # key -> [weakref.ref]
+        self._count = 0
+        self._sweep_at = 64
+
+    def add(self, key, obj) -> None:
+        self._refs.setdefault(key, []).append(weakref.ref(obj))
+        self._count += 1
+        if self._count >= self._sweep_at:
+            for k in list(self._refs):
+                self._live(k)
+            self._count = sum(len(refs) for refs in self._refs.values())
+            self._sweep_at = max(64, 2 * self._count)
+
+    def live(self, key=None) -> list:
+        """The live objects of ``key`` (every key: None)."""
+        keys = list(self._refs) if key is None else [key]
+        return [obj for k in keys for obj in self._live(k)]
+
+    def _live(self, key) -> list:
+        refs = self._refs.get(key)
+        if not refs:
+            return []
+        objs = [obj for obj in (r() for r in refs) if obj is not None]
+        if len(objs) < len(refs):
+            if objs:
+                self._refs[key] = [weakref.ref(obj) for obj in objs]
+            else:
+                del self._refs[key]
+        return objs
 
 
 def _narrowed(t: torch.Tensor, region) -> torch.Tensor:

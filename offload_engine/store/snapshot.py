@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from ..errors import OperationTimeoutError, UsageError
+from ..interrupts import InterruptSafeCondition, deferred, wait_in_slices
 from .errors import SnapshotInterruptedError
 
 # sink(array_name, bucket_index, start_element, tensor): write the bucket's bytes somewhere
@@ -102,7 +103,7 @@ class Snapshot:
         self.caught_up = False             # a user waited for the thread's copy (store lock)
         self.finished = threading.Event()
         self._settled = 0
-        self._count_lock = threading.Lock()
+        self._count_lock = InterruptSafeCondition()  # counts never left half updated
         if not buckets:
             self.finished.set()
 
@@ -157,7 +158,8 @@ class Snapshot:
         next snapshot would otherwise wait for a thread that never ran. No bucket can be
         claimed yet: the thread claims under the store lock, which the caller holds."""
         try:
-            threading.Thread(target=self._work, name="oe-snapshot", daemon=True).start()
+            with deferred:  # Thread.start waits on an Event (interrupts.wait_in_slices)
+                threading.Thread(target=self._work, name="oe-snapshot", daemon=True).start()
         except BaseException as e:
             self.fail(SnapshotInterruptedError(
                 f"snapshot interrupted ({type(e).__name__}) while it started"))
@@ -188,14 +190,15 @@ class Snapshot:
                 if inline:
                     raise
         finally:
-            try:
-                self.store.let_go(bucket, held=not inline)
-            finally:
-                if copied:
-                    with self._count_lock:
-                        self.copied += 1
-                        self.copied_inline += int(inline)
-                self.settle(1)
+            with deferred:  # let go and settled together: a signal never leaves one undone
+                try:
+                    self.store.let_go(bucket, held=not inline)
+                finally:
+                    if copied:
+                        with self._count_lock:
+                            self.copied += 1
+                            self.copied_inline += int(inline)
+                    self.settle(1)
 
     def _work(self) -> None:
         cv = self.store.cv
@@ -245,7 +248,7 @@ class Snapshot:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise the sink's first error (for example a full disk)."""
-        if not self.finished.wait(timeout):
+        if not wait_in_slices(self.finished.wait, timeout):
             raise OperationTimeoutError(f"snapshot not finished after {timeout} s "
                                f"({self.copied} of {self.total} buckets copied)")
         if self.error is not None:

@@ -25,6 +25,7 @@ import time
 import torch
 
 from ..errors import InputError, UsageError
+from ..interrupts import InterruptSafeCondition, deferred, wait_in_slices
 from .bucket import ABSENT, READING, RESIDENT, WRITING, Bucket, Handle, check_acquire_device
 from .completions import failed, interrupted_start, report_unstarted, started
 from .config import StoreConfig
@@ -72,8 +73,9 @@ class TieredStore:
         self._completions = res.completions  # the store's thread, oe-store
         self._copy_waiter = res.copy_waiter  # GPU tier only: oe-copy-wait
         self._arrays: dict[str, StoreArray] = self._registry.arrays  # the same dict
-        self._lock = threading.RLock()
-        self._cv = threading.Condition(self._lock)
+        # every change of bucket state is made under this lock, and a signal's handler never
+        # runs half way through one: it runs when the lock is let go, or in a wait
+        self._lock = self._cv = InterruptSafeCondition()
         self._resident: set[Bucket] = set()
         self._prefetch_queue: list[Bucket] = []
         # the step order, read-ahead, victims and write-back credit; the store reports to it
@@ -133,34 +135,34 @@ class TieredStore:
         dev = torch.device(device)
         b, start, stop = self._registry.locate(name, rng)
         check_acquire_device(dev, name, b.array.home, has_gpu_tier=self.gpu is not None)
-        # an error or Ctrl-C once the bucket is held gives the hold back; no call comes between
-        # the hold and ``held`` (where a Python signal handler could run)
+        # an error, or a signal's exception at the section's end, gives the hold back
         held = False
         try:
-            with self._lock:
-                self._check_open()
-                self._policy.note_use(b.key)
-                t0 = time.monotonic()
-                waited = self._hold(b)
-                held = True
-            with self._lock:
-                # copy-on-acquire: a bucket a snapshot still has to copy is copied before use
-                copy_first = self._snapshot is not None and self._snapshot.before_use(b, self._cv)
-                self._tick += 1
-                b.last_use = self._tick
-                self._pump()
-                if waited:
-                    self._stats.current.io_wait_s += time.monotonic() - t0
-            if copy_first:
-                self._snapshot.copy(b, inline=True)
-            with self._lock:
-                if dev.type == "cpu":
-                    if self.gpu is not None:  # bytes from a GPU user landed; none still read
-                        self.gpu.before_host_use(b)
-                    tensor = b.host_view(b.array.dtype)[start - b.start:stop - b.start]
-                else:  # may fail (the gpu tier full): the bucket is not lent after all
-                    tensor = self.gpu.stage(b)[start - b.start:stop - b.start]
-                return Handle(name, start, stop, dev, tensor, b)
+            with deferred:  # one section for the whole call (each lock block would be one)
+                with self._lock:
+                    self._check_open()
+                    self._policy.note_use(b.key)
+                    t0 = time.monotonic()
+                    waited = self._hold(b)
+                    held = True
+                with self._lock:
+                    # copy-on-acquire: a bucket a snapshot still has to copy is copied before use
+                    copy_first = self._snapshot is not None and self._snapshot.before_use(b, self._cv)
+                    self._tick += 1
+                    b.last_use = self._tick
+                    self._pump()
+                    if waited:
+                        self._stats.current.io_wait_s += time.monotonic() - t0
+                if copy_first:
+                    self._snapshot.copy(b, inline=True)
+                with self._lock:
+                    if dev.type == "cpu":
+                        if self.gpu is not None:  # bytes from a GPU user landed; none still read
+                            self.gpu.before_host_use(b)
+                        tensor = b.host_view(b.array.dtype)[start - b.start:stop - b.start]
+                    else:  # may fail (the gpu tier full): the bucket is not lent after all
+                        tensor = self.gpu.stage(b)[start - b.start:stop - b.start]
+                    return Handle(name, start, stop, dev, tensor, b)
         except BaseException as e:
             if held:
                 with self._lock:
@@ -574,7 +576,7 @@ class TieredStore:
         if self._closed:
             return
         if self._snapshot is not None:
-            self._snapshot.finished.wait()
+            wait_in_slices(self._snapshot.finished.wait)
         try:
             if self.root is not None:
                 self.flush()
