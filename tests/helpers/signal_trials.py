@@ -70,13 +70,14 @@ def record(trial: str, name: str, model, opt) -> None:
 def train(trial: str, ready_fd: int, deadline_s: float) -> int:
     """One trial's process: train and save until a signal lands; then save and close."""
     torch.set_num_threads(1)
+    forked = time.monotonic()
     faulthandler.dump_traceback_later(deadline_s - 2, exit=True)  # a hang shows its stacks
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     os.makedirs(os.path.join(trial, "records"))
     ckpt = os.path.join(trial, "ckpt")
     model = Bag(SHAPES, 0)
     opt = optimizer(model, os.path.join(trial, "store"))
-    watch(opt, deadline_s - 4)
+    watch(opt, forked + deadline_s - 4)
     step = 0
     os.write(ready_fd, b"r")  # the driver's clock for the signal starts here
     os.close(ready_fd)
@@ -103,18 +104,19 @@ def train(trial: str, ready_fd: int, deadline_s: float) -> int:
         print("closed", flush=True)
 
 
-def watch(opt, after_s: float) -> None:
-    """Print the store's buckets and write-backs if the trial still runs after ``after_s``
-    (what a hang waits for; the stacks follow from faulthandler)."""
+def watch(opt, at: float) -> None:
+    """Print the store's buckets and write-backs if the trial still runs at ``at`` (a
+    ``time.monotonic`` time: what a hang waits for; the stacks follow from faulthandler)."""
     def report():
-        time.sleep(after_s)
+        time.sleep(max(0.0, at - time.monotonic()))
         store = opt.store
         if store is None:
             return
-        print("still running; buckets:", sorted(
-            (b.key, b.state, b.refs, b.dirty, b.saving) for b in list(store._resident)),
+        print("still running; buckets (key, state, refs, keeps, dirty, saving, error):", sorted(
+            (b.key, b.state, b.refs, b.keeps, b.dirty, b.saving, b.error)
+            for b in list(store._resident)),
             "write-backs in flight:", store.writes_in_flight, "pool in use:",
-            store.pool.in_use, flush=True)
+            store.pool.in_use, "snapshot:", store._snapshot, flush=True)
 
     threading.Thread(target=report, daemon=True).start()
 
