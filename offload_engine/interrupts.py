@@ -201,18 +201,7 @@ class InterruptSafeCondition:
         one came. Signals recorded before or during the wait get their handlers called
         here, within ``WAIT_SLICE_S`` (the caller holds the lock; the state is whole)."""
         deliver_pending()
-        if not (_depth and _on_main_thread()):
-            return self._cv.wait(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            remaining = WAIT_SLICE_S if deadline is None else min(
-                WAIT_SLICE_S, deadline - time.monotonic())
-            if remaining <= 0:
-                return False
-            if self._cv.wait(remaining):
-                deliver_pending()
-                return True
-            deliver_pending()
+        return wait_in_slices(self._cv.wait, timeout)
 
     def _is_owned(self) -> bool:
         """Whether the calling thread holds the lock (the name threading's locks use)."""
