@@ -42,11 +42,21 @@ def count(n) -> str:
     return str(n)
 
 
+def last_error_line(tail: list[str] | None) -> str:
+    """The line of a failed run's output that says how it ended: the last one that is not a
+    warning (Python prints leaked-semaphore warnings at exit, after the traceback)."""
+    for line in reversed(tail or []):
+        line = line.strip()
+        if line and "Warning:" not in line and not line.startswith("warnings.warn("):
+            return line[-120:]
+    return ""
+
+
 def _step_line(r: dict) -> str:
     parts = []
     for name, run in (r.get("results") or {}).items():
-        if "error" in run:   # with its last line: how it ended (a SIGKILL is the OOM killer's)
-            last = (run.get("stderr_tail") or [""])[-1].strip()[-120:]
+        if "error" in run:   # with the line that says how it ended (a SIGKILL is the OOM killer's)
+            last = last_error_line(run.get("stderr_tail"))
             parts.append(f"{name}: failed ({run['error']}{': ' + last if last else ''})")
         elif name.startswith("deepspeed"):
             parts.append(f"ours / {name} iteration {fmt(dig(run, 'ours_over_deepspeed', 'iteration'))}x, "
@@ -97,7 +107,7 @@ def headline(name: str, r: dict) -> str:
                               dig(r, "methods", "ours", "peak_rss_bytes_median"))
         failed = [run for run in dig(r, "methods", "deepspeed", "runs") or [] if run.get("returncode")]
         if failed:   # the tool still measured ours: say why the comparison is missing
-            return f"zero_to_fp32 failed ({(failed[-1].get('stderr_tail') or ['?'])[-1]}); {ours}"
+            return f"zero_to_fp32 failed ({last_error_line(failed[-1].get('stderr_tail')) or '?'}); {ours}"
         return (f"{fmt(r.get('speedup'))}x faster than zero_to_fp32, {fmt(r.get('rss_ratio'), '.3f')} "
                 f"of its peak RSS, equal: {dig(r, 'outputs_equal', 'equal')}; {ours}")
     if kind == "import":

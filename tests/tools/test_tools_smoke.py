@@ -212,7 +212,11 @@ def smoke_bench_step_adamw(tmp_path):
     DeepSpeed that the kernel kills (as its 987 M fp32 runs are, for memory): its failure
     is a figure, recorded with how it ended, and the tool still exits 0 with ours."""
     fake = tmp_path / "dspython"
-    fake.write_text('#!/bin/sh\necho "fake deepspeed: out of memory" >&2\nkill -9 $$\n')
+    # the warnings Python prints at exit come after the line that says what happened
+    fake.write_text('#!/bin/sh\necho "fake deepspeed: out of memory" >&2\n'
+                    'echo "resource_tracker.py:254: UserWarning: resource_tracker: leaked" >&2\n'
+                    'echo "  warnings.warn(\'resource_tracker: There appear to be\')" >&2\n'
+                    'kill -9 $$\n')
     fake.chmod(0o755)
     work = tmp_path / "work"
     work.mkdir()
